@@ -1,0 +1,1 @@
+"""Benchmark metrics and plotting helpers for block speculative decoding."""

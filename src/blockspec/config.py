@@ -1,0 +1,402 @@
+"""Configuration dataclasses, validated on construction.
+
+`TargetConfig` reads a Hugging Face `config.json` (Qwen3 / Llama / Qwen2);
+`DraftConfig` reads a z-lab DFlash or DeepSpec DSpark draft config;
+`SamplingParams` holds per-request decoding settings. Unknown keys of a config
+file are kept in `extra` so that a load -> save round trip loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from blockspec.errors import BlockspecError
+
+SUPPORTED_TARGET_TYPES = ("qwen3", "llama", "qwen2", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Read a JSON object from `path`, raising BlockspecError naming `what` on any failure."""
+    path = Path(path)
+    if not path.is_file():
+        raise BlockspecError(f"{what}: {path} does not exist")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BlockspecError(f"{what}: {path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise BlockspecError(f"{what}: {path} must hold a JSON object")
+    return data
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise BlockspecError(msg)
+
+
+def _positive_int(name: str, value: Any, where: str) -> int:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+             f"{where}: '{name}' must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass
+class RopeConfig:
+    """Rotary embedding parameters (neox style)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], where: str) -> "RopeConfig":
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older
+        # files write `rope_theta` plus an optional `rope_scaling` dict.
+        params = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or {}
+        if not isinstance(params, dict) or not isinstance(scaling, dict):
+            raise BlockspecError(f"{where}: rope_parameters / rope_scaling must be objects")
+        merged = {**params, **scaling}
+        theta = raw.get("rope_theta", merged.get("rope_theta", 10000.0))
+        rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise BlockspecError(
+                f"{where}: rope type '{rope_type}' is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        _require(isinstance(theta, (int, float)) and theta > 0, f"{where}: rope_theta must be > 0")
+        return cls(
+            theta=float(theta), rope_type=rope_type, factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        )
+
+    def to_hf_scaling(self) -> dict[str, Any] | None:
+        if self.rope_type == "default":
+            return None
+        out: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type == "llama3":
+            out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
+                       original_max_position_embeddings=self.original_max_position_embeddings)
+        return out
+
+
+@dataclass
+class TargetConfig:
+    """Architecture of a target decoder, from a Hugging Face config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> "TargetConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_TARGET_TYPES:
+            raise BlockspecError(
+                f"{where}: model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_TARGET_TYPES)})")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            _require(key in raw, f"{where}: missing required key '{key}'")
+            _positive_int(key, raw[key], where)
+        heads = raw["num_attention_heads"]
+        kv_heads = _positive_int("num_key_value_heads", raw.get("num_key_value_heads") or heads, where)
+        _require(heads % kv_heads == 0,
+                 f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        _positive_int("head_dim", head_dim, where)
+        _require(head_dim % 2 == 0, f"{where}: head_dim must be even for rotary embeddings")
+        act = raw.get("hidden_act", "silu")
+        _require(act == "silu", f"{where}: hidden_act {act!r} is not supported (only 'silu')")
+        _require(not raw.get("use_sliding_window", False),
+                 f"{where}: sliding-window attention targets are not supported")
+        eos = raw.get("eos_token_id")
+        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(raw.get("attention_bias", False))
+        _require(not raw.get("mlp_bias", False), f"{where}: mlp_bias is not supported")
+        known = {f.name for f in fields(cls)} | {
+            "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "hidden_act",
+            "use_sliding_window", "mlp_bias"}
+        return cls(
+            model_type=model_type, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+            max_position_embeddings=_positive_int(
+                "max_position_embeddings", raw.get("max_position_embeddings", 2048), where),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=RopeConfig.from_hf(raw, where),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=model_type == "qwen3",
+            bos_token_id=raw.get("bos_token_id"), eos_token_id=eos_list,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            extra={k: v for k, v in raw.items() if k not in known},
+        )
+
+    @classmethod
+    def load(cls, directory: Path) -> "TargetConfig":
+        path = Path(directory) / "config.json"
+        return cls.from_dict(read_json(path, "target config"), where=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[self.model_type]
+        out: dict[str, Any] = {
+            "architectures": [arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta, "rope_scaling": self.rope.to_hf_scaling(),
+            "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.model_type != "qwen2":
+            out["attention_bias"] = self.qkv_bias
+        out.update(self.extra)
+        return out
+
+    def default_layer_ids(self, num_draft_layers: int) -> list[int]:
+        """Design section 2: which target layers feed an N-layer draft."""
+        t = self.num_hidden_layers
+        if num_draft_layers == 1:
+            return [t // 2]
+        return [int(math.floor(1 + i * (t - 4) / (num_draft_layers - 1) + 0.5))
+                for i in range(num_draft_layers)]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings. temperature == 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                 and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+        _require(isinstance(self.top_k, int) and self.top_k >= 0,
+                 f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+                 f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0,
+                 f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        _require(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+LAYOUTS = ("zlab", "deepspec")
+MARKOV_TYPES = ("vanilla", "gated", "rnn")
+
+
+@dataclass
+class DraftConfig:
+    """A DFlash / DSpark draft (design sections 3, 5, 6).
+
+    `layout` is "zlab" (block_size B includes the anchor, B-1 drafts) or
+    "deepspec" (block_size = gamma drafts). The backbone shares the target's
+    hidden size, vocabulary, embedding and lm_head."""
+
+    layout: str
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int = 40960
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    confidence_temperatures: list[float] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        where = "draft config"
+        _require(self.layout in LAYOUTS, f"{where}: layout {self.layout!r} must be one of {LAYOUTS}")
+        min_block = 2 if self.layout == "zlab" else 1
+        _require(isinstance(self.block_size, int) and self.block_size >= min_block,
+                 f"{where}: block_size must be >= {min_block} for the {self.layout} layout, got {self.block_size!r}")
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
+            _positive_int(name, getattr(self, name), where)
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
+        _require(isinstance(self.target_layer_ids, list) and len(self.target_layer_ids) > 0
+                 and all(isinstance(i, int) and 0 <= i < self.num_target_layers for i in self.target_layer_ids),
+                 f"{where}: target_layer_ids {self.target_layer_ids!r} must name layers 0..{self.num_target_layers - 1}")
+        _require(isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size,
+                 f"{where}: mask_token_id {self.mask_token_id!r} is not a token id of a {self.vocab_size}-token vocabulary")
+        _require(self.markov_head_type in MARKOV_TYPES,
+                 f"{where}: markov_head_type {self.markov_head_type!r} must be one of {MARKOV_TYPES}")
+        _require(isinstance(self.markov_rank, int) and self.markov_rank >= 0, f"{where}: markov_rank must be >= 0")
+        if self.confidence_temperatures is not None:
+            _require(len(self.confidence_temperatures) == self.num_drafts
+                     and all(t > 0 for t in self.confidence_temperatures),
+                     f"{where}: confidence_temperatures must hold {self.num_drafts} positive values")
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens per round ("num speculative tokens")."""
+        return self.block_size - 1 if self.layout == "zlab" else self.block_size
+
+    @property
+    def first_draft_slot(self) -> int:
+        """Block slot whose output predicts the first draft token."""
+        return 1 if self.layout == "zlab" else 0
+
+    @property
+    def is_dspark(self) -> bool:
+        return self.markov_rank > 0 or self.enable_confidence_head
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "draft config.json") -> "DraftConfig":
+        spec_type = raw.get("speculators_model_type")
+        if spec_type is not None:
+            raise BlockspecError(
+                f"{where}: 'speculators_model_type: {spec_type}' is a speculators-format layout that "
+                "blockspec cannot run; convert it to the z-lab (DFlash) or DeepSpec (DSpark) layout")
+        archs = raw.get("architectures") or []
+        dflash = raw.get("dflash_config") or {}
+        _require(isinstance(dflash, dict), f"{where}: dflash_config must be an object")
+        layout = raw.get("blockspec_layout")
+        if layout is None:
+            # z-lab files always carry dflash_config; DeepSpec files put mask_token_id /
+            # target_layer_ids at top level (architectures: Qwen3DSparkModel).
+            if "markov_rank" in raw or "enable_confidence_head" in raw or any("DSpark" in a for a in archs):
+                layout = "deepspec"
+            elif dflash:
+                layout = "zlab"
+            elif "target_layer_ids" in raw and "mask_token_id" in raw:
+                layout = "deepspec"
+            else:
+                raise BlockspecError(
+                    f"{where}: cannot tell the block layout (no dflash_config, no DeepSpec keys); "
+                    "refusing to guess, since a wrong layout silently gives tau ~ 1")
+        mask_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
+        _require(mask_id is not None, f"{where}: no mask_token_id (expected in dflash_config)")
+        layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+        _require(layer_ids is not None, f"{where}: no target_layer_ids (expected in dflash_config)")
+        block = raw.get("block_size", dflash.get("block_size"))
+        _require(block is not None, f"{where}: no block_size")
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            _require(key in raw, f"{where}: missing required key '{key}'")
+        layer_types = raw.get("layer_types") or []
+        _require(all(t == "full_attention" for t in layer_types),
+                 f"{where}: sliding-window draft layers ({layer_types}) are not supported; "
+                 "only full_attention draft layers can run")
+        heads = raw["num_attention_heads"]
+        known = {"architectures", "model_type", "block_size", "dflash_config", "num_target_layers",
+                 "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+                 "rope_parameters", "max_position_embeddings", "vocab_size", "markov_rank",
+                 "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                 "confidence_temperatures", "blockspec_layout", "mask_token_id", "target_layer_ids",
+                 "torch_dtype", "dtype"}
+        return cls(
+            layout=layout, block_size=block, mask_token_id=mask_id, target_layer_ids=list(layer_ids),
+            num_target_layers=raw.get("num_target_layers", max(layer_ids) + 1),
+            hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
+            max_position_embeddings=raw.get("max_position_embeddings", 40960),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=RopeConfig.from_hf(raw, where),
+            markov_rank=raw.get("markov_rank", 0) or 0, markov_head_type=raw.get("markov_head_type", "vanilla"),
+            enable_confidence_head=bool(raw.get("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(raw.get("confidence_head_with_markov", True)),
+            confidence_temperatures=raw.get("confidence_temperatures"),
+            extra={k: v for k, v in raw.items() if k not in known},
+        )
+
+    @classmethod
+    def load(cls, directory: Path) -> "DraftConfig":
+        path = Path(directory) / "config.json"
+        return cls.from_dict(read_json(path, "draft config"), where=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids},
+            "num_target_layers": self.num_target_layers, "num_hidden_layers": self.num_hidden_layers,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope.theta,
+            "rope_scaling": self.rope.to_hf_scaling(), "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size, "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "sliding_window": None, "tie_word_embeddings": False, "hidden_act": "silu",
+            "attention_bias": False, "torch_dtype": "bfloat16",
+        }
+        if self.layout == "deepspec":
+            # DeepSpec layout: ids at top level, DSpark keys, no dflash_config.
+            del out["dflash_config"]
+            out.update(architectures=["Qwen3DSparkModel"], mask_token_id=self.mask_token_id,
+                       target_layer_ids=self.target_layer_ids, markov_rank=self.markov_rank,
+                       enable_confidence_head=self.enable_confidence_head)
+            if self.markov_rank > 0:
+                out["markov_head_type"] = self.markov_head_type
+            if self.enable_confidence_head:
+                out["confidence_head_with_markov"] = self.confidence_head_with_markov
+            if self.confidence_temperatures is not None:
+                out["confidence_temperatures"] = self.confidence_temperatures
+        out.update(self.extra)
+        return out
+
+    def check_target(self, target: TargetConfig) -> None:
+        """Refuse a draft that does not fit the target it is paired with."""
+        where = "draft/target mismatch"
+        _require(self.hidden_size == target.hidden_size,
+                 f"{where}: draft hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}")
+        _require(self.vocab_size == target.vocab_size,
+                 f"{where}: draft vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}")
+        _require(max(self.target_layer_ids) < target.num_hidden_layers,
+                 f"{where}: target_layer_ids {self.target_layer_ids} name layers beyond the target's "
+                 f"{target.num_hidden_layers}")
+        _require(self.num_target_layers == target.num_hidden_layers,
+                 f"{where}: draft was built for a {self.num_target_layers}-layer target, this one has "
+                 f"{target.num_hidden_layers}")

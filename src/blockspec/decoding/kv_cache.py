@@ -1,0 +1,89 @@
+"""A static, batched KV cache built for speculative decoding.
+
+Layout: one preallocated tensor per K and V, [layers, rows, kv_heads, capacity,
+head_dim]. Row r holds its tokens in slots 0..lengths[r]-1 (no left padding),
+and a token's slot is also its RoPE position. Appending a block writes slots
+lengths[r]..lengths[r]+T-1 by index; rolling a row back after a rejected
+draft is O(1): only `lengths` changes, stale slots are masked and later
+overwritten. Memory is fixed at allocation and reported by `nbytes`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.errors import BlockspecError
+
+
+class KVCache:
+    def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, rows, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.capacity = capacity
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def check_room(self, width: int) -> None:
+        """Raise if appending `width` slots to the longest row would overflow."""
+        need = int(self.lengths.max()) + width
+        if need > self.capacity:
+            raise BlockspecError(
+                f"KV cache overflow: {need} positions needed, capacity is {self.capacity} "
+                "(prompt + max_new_tokens + block is too long for this cache)")
+
+    def positions(self, width: int) -> torch.Tensor:
+        """Slots / RoPE positions of the next `width` tokens of every row, [rows, width]."""
+        return self.lengths.unsqueeze(1) + torch.arange(width, device=self.lengths.device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [rows, Hkv, T, D] written at slots [rows, T] of each row."""
+        if self.rows == 1:
+            start = int(slots[0, 0])
+            self.k[layer, :, :, start:start + k.shape[2]] = k
+            self.v[layer, :, :, start:start + k.shape[2]] = v
+            return
+        row_idx = torch.arange(self.rows, device=slots.device).unsqueeze(1)
+        # Advanced indices on dims 0 and 2 (with a slice between) put [rows, T] first.
+        self.k[layer][row_idx, :, slots] = k.transpose(1, 2)
+        self.v[layer][row_idx, :, slots] = v.transpose(1, 2)
+
+    def view(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, :, :, :upto], self.v[layer, :, :, :upto]
+
+    def causal_mask(self, width: int) -> tuple[torch.Tensor | None, int]:
+        """Mask for `width` new tokens appended causally: query t of row r sees slots
+        <= lengths[r] + t. Returns (mask or None when no mask is needed, key length)."""
+        upto = int(self.lengths.max()) + width
+        if self.rows == 1 and width == 1:
+            return None, upto
+        key_pos = torch.arange(upto, device=self.lengths.device)
+        limit = self.positions(width)  # [rows, width]
+        mask = key_pos.view(1, 1, upto) <= limit.unsqueeze(-1)
+        return mask.unsqueeze(1), upto
+
+    def advance(self, n: torch.Tensor | int) -> None:
+        self.lengths += n
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Roll rows back to `lengths` (each <= its current length)."""
+        if bool((lengths > self.lengths).any()):
+            raise ValueError("truncate can only shorten rows")
+        self.lengths.copy_(lengths)
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Drop every row not in `index` (finished requests leave the batch)."""
+        self.k = self.k[:, index].contiguous()
+        self.v = self.v[:, index].contiguous()
+        self.lengths = self.lengths[index].clone()
+
+    def reset(self) -> None:
+        self.lengths.zero_()

@@ -1,0 +1,170 @@
+"""The one sampling / verification module used by every decoding path.
+
+logits -> warped probabilities (temperature, top-k, top-p) -> sample, and the
+three acceptance rules of design section 4: greedy prefix match, lossless
+rejection sampling (default when temperature > 0) and sample-and-match.
+
+Rows carry their own parameters and their own seeded generator, so a
+request's random stream does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.config import SamplingParams
+
+
+@dataclass
+class RowSampler:
+    """Sampling parameters of a batch of rows, as tensors, plus one generator per row."""
+
+    temperature: torch.Tensor  # [R] float, 0 = greedy
+    top_k: torch.Tensor        # [R] long, 0 = off
+    top_p: torch.Tensor        # [R] float
+    generators: list[torch.Generator]
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "RowSampler":
+        gens = []
+        for p in params:
+            g = torch.Generator(device="cpu")
+            if p.seed is None:
+                g.seed()
+            else:
+                g.manual_seed(p.seed)
+            gens.append(g)
+        return cls(
+            temperature=torch.tensor([float(p.temperature) for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([float(p.top_p) for p in params], device=device),
+            generators=gens,
+        )
+
+    def select(self, rows: list[int]) -> "RowSampler":
+        idx = torch.tensor(rows, dtype=torch.long, device=self.temperature.device)
+        return RowSampler(self.temperature[idx], self.top_k[idx], self.top_p[idx],
+                          [self.generators[r] for r in rows])
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.temperature == 0
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+    def uniform(self, shape_per_row: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """[R, *shape] uniforms in [0, 1), each row from its own generator."""
+        return torch.stack([torch.rand(shape_per_row, generator=g) for g in self.generators]).to(device)
+
+
+def warp(logits: torch.Tensor, sampler: RowSampler) -> torch.Tensor:
+    """logits [R, ..., V] -> float32 probabilities after temperature, top-k, top-p.
+
+    Greedy rows (temperature 0) become one-hot at the argmax, which makes the
+    rejection rule below reduce exactly to greedy prefix matching."""
+    r, v = logits.shape[0], logits.shape[-1]
+    x = logits.float().reshape(r, -1, v)
+    t = sampler.temperature.view(r, 1, 1)
+    greedy = (t == 0)
+    x = x / torch.where(greedy, torch.ones_like(t), t)
+    k = sampler.top_k.view(r, 1, 1)
+    if bool((k > 0).any()):
+        kth = torch.topk(x, min(int(k.max()), v), dim=-1).values
+        idx = (k.clamp(1, v) - 1).clamp(max=kth.shape[-1] - 1).expand(r, x.shape[1], 1)
+        threshold = kth.gather(-1, idx)
+        x = torch.where((k > 0) & (x < threshold), torch.full_like(x, float("-inf")), x)
+    p = sampler.top_p.view(r, 1, 1)
+    if bool((p < 1).any()):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = torch.softmax(sorted_x, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always).
+        before = sorted_p.cumsum(-1) - sorted_p
+        drop_sorted = (before >= p) & (p < 1)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.float().reshape(r, -1, v).argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy, onehot, probs)
+    return probs.reshape(logits.shape[:-1] + (v,))
+
+
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [..., V], uniforms [...] -> token ids [...]."""
+    cdf = probs.cumsum(-1)
+    u = (uniforms * cdf[..., -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, sampler: RowSampler) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, T, V] -> (tokens [R, T], probs [R, T, V]). Greedy rows take the argmax."""
+    probs = warp(logits, sampler)
+    if sampler.all_greedy:
+        return logits.argmax(-1), probs
+    u = sampler.uniform(tuple(logits.shape[1:-1]), logits.device)
+    tokens = sample_from(probs, u)
+    tokens = torch.where(sampler.greedy.view(-1, *([1] * (tokens.dim() - 1))), logits.argmax(-1), tokens)
+    return tokens, probs
+
+
+@dataclass
+class Verdict:
+    accepted: torch.Tensor  # [R] number of drafts accepted
+    bonus: torch.Tensor     # [R] the token sampled after the accepted prefix
+
+
+def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
+           sampler: RowSampler, num_drafts: torch.Tensor | None = None,
+           rule: str = "rejection") -> Verdict:
+    """Decide how many drafts each row keeps (design section 4).
+
+    target_logits [R, g+1, V]: next-token rows for [anchor, d1..dg];
+    drafts [R, g]; draft_probs [R, g, V]: the exact (warped) proposal
+    distributions, needed for rejection sampling; num_drafts [R]: how many
+    drafts each row actually verifies (<= g; the rest count as not proposed).
+    rule: "rejection" (lossless, default) or "match" (sample-and-match).
+    """
+    r, g = drafts.shape
+    device = drafts.device
+    slot = torch.arange(g, device=device)
+    if num_drafts is None:
+        num_drafts = torch.full((r,), g, dtype=torch.long, device=device)
+    proposed = slot.unsqueeze(0) < num_drafts.unsqueeze(1)  # [R, g]
+
+    if sampler.all_greedy:
+        choice = target_logits.argmax(-1)  # [R, g+1]
+        ok = (drafts == choice[:, :g]) & proposed
+        accepted = ok.long().cumprod(1).sum(1)
+        return Verdict(accepted, choice.gather(1, accepted.unsqueeze(1)).squeeze(1))
+
+    p = warp(target_logits, sampler)  # [R, g+1, V]
+    if rule == "match":
+        u = sampler.uniform((g + 1,), device)
+        target_tokens = sample_from(p, u)  # independent target samples t_1..t_{g+1}
+        ok = (drafts == target_tokens[:, :g]) & proposed
+        accepted = ok.long().cumprod(1).sum(1)
+        return Verdict(accepted, target_tokens.gather(1, accepted.unsqueeze(1)).squeeze(1))
+    if rule != "rejection":
+        raise ValueError(f"unknown verification rule {rule!r}")
+    if draft_probs is None:
+        raise ValueError("rejection sampling needs the draft's proposal probabilities")
+    p_d = p[:, :g].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)            # P_{i-1}(d_i)
+    q_d = draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1).float()  # Q_i(d_i)
+    u = sampler.uniform((g + 1,), device)
+    ok = (u[:, :g] * q_d < p_d) & proposed  # u < P/Q without dividing by zero
+    accepted = ok.long().cumprod(1).sum(1)
+    # Bonus: residual max(0, P - Q) after a rejection of a proposed draft, else P itself.
+    rows = torch.arange(r, device=device)
+    p_a = p[rows, accepted]
+    rejected = accepted < num_drafts
+    q_a = draft_probs[rows, accepted.clamp(max=g - 1)].float() if g > 0 else torch.zeros_like(p_a)
+    residual = (p_a - q_a).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    use_residual = rejected.unsqueeze(1) & (mass > 0)
+    bonus_dist = torch.where(use_residual, residual / mass.clamp(min=1e-30), p_a)
+    bonus = sample_from(bonus_dist, u[:, g])
+    return Verdict(accepted, bonus)

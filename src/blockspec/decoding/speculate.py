@@ -1,0 +1,96 @@
+"""One speculative round as plain functions: propose -> verify -> commit.
+
+`prefill` starts rows; `propose` runs the draft block once (DSpark's Markov
+head then samples slot by slot); `verify_and_commit` runs the target over
+[anchor, drafts], applies the acceptance rule, rolls the target cache back to
+the accepted prefix and feeds the accepted rows' features to the draft
+context. AR decoding is the same round with zero drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.decoding.kv_cache import KVCache
+from blockspec.decoding.sampling import RowSampler, Verdict, sample, verify
+from blockspec.models.draft import DraftModel
+from blockspec.models.target import TargetModel
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor                # [R, g] drafted tokens
+    probs: torch.Tensor                 # [R, g, V] the exact distributions they were drawn from
+    confidence: torch.Tensor | None     # [R, g] per-slot acceptance probability (DSpark)
+
+
+def prefill(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
+            draft: DraftModel | None = None, draft_cache: KVCache | None = None) -> torch.Tensor:
+    """Run the prompts (right-padded) through the target, seed the draft context,
+    and sample each row's first token (the first anchor). Returns anchors [R]."""
+    device = target.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    width = int(lengths.max())
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = torch.tensor(p, device=device)
+    capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
+    out = target(ids, cache, num_new=lengths, capture=capture, logits_at=(lengths - 1).unsqueeze(1))
+    if draft is not None:
+        assert draft_cache is not None and out.features is not None
+        draft.append_context(draft_cache, out.features, lengths)
+    return sample(out.logits, sampler)[0][:, 0]
+
+
+def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
+            sampler: RowSampler, num_drafts: int | None = None) -> Proposal:
+    """One draft forward for the whole block, then sampling of g drafts."""
+    cfg = draft.config
+    g = cfg.num_drafts if num_drafts is None else num_drafts
+    block = torch.full((anchors.shape[0], cfg.block_size), cfg.mask_token_id, dtype=torch.long,
+                       device=anchors.device)
+    block[:, 0] = anchors
+    hidden = draft.block_hidden(block, draft_cache, target.embed_tokens)
+    slots = hidden[:, cfg.first_draft_slot:cfg.first_draft_slot + g]
+    base = target.lm_head(slots.to(target.dtype)).float()
+    if draft.markov_head is None:
+        tokens, probs = sample(base, sampler)
+        prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
+    else:
+        # Semi-autoregressive: slot k's logits depend on the token drafted at k-1.
+        head = draft.markov_head
+        state = head.initial_state(anchors.shape[0], slots)
+        prev_tok, toks, dists, prevs = anchors, [], [], []
+        for k in range(g):
+            bias, state = head.step(prev_tok, slots[:, k], state)
+            tok, dist = sample((base[:, k] + bias.float()).unsqueeze(1), sampler)
+            prevs.append(prev_tok)
+            prev_tok = tok[:, 0]
+            toks.append(tok)
+            dists.append(dist)
+        tokens, probs, prev = torch.cat(toks, 1), torch.cat(dists, 1), torch.stack(prevs, 1)
+    confidence = draft.confidence(slots, prev) if draft.confidence_head is not None else None
+    return Proposal(tokens, probs, confidence)
+
+
+def verify_and_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor, proposal: Proposal | None,
+                      sampler: RowSampler, draft: DraftModel | None = None, draft_cache: KVCache | None = None,
+                      num_drafts: torch.Tensor | None = None, rule: str = "rejection") -> Verdict:
+    """Target forward over [anchor, drafts]; keep the accepted prefix in both caches."""
+    start = cache.lengths.clone()
+    if proposal is None:
+        seq, drafts, probs = anchors.unsqueeze(1), anchors.new_zeros(anchors.shape[0], 0), None
+    else:
+        seq = torch.cat([anchors.unsqueeze(1), proposal.tokens], dim=1)
+        drafts, probs = proposal.tokens, proposal.probs
+    capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
+    out = target(seq, cache, capture=capture)
+    verdict = verify(out.logits, drafts, probs, sampler, num_drafts, rule)
+    # Keep anchor + accepted drafts; the bonus gets its KV when it is the next anchor.
+    cache.truncate(start + verdict.accepted + 1)
+    if draft is not None:
+        assert draft_cache is not None and out.features is not None
+        draft.append_context(draft_cache, out.features, verdict.accepted + 1)
+    return verdict

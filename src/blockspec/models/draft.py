@@ -1,0 +1,166 @@
+"""The DFlash draft (design section 3), with optional DSpark heads.
+
+Per round: the target features of newly committed positions become K/V in
+every draft layer's cache (`append_context`), then the block
+`[anchor, MASK, ...]` runs non-causally over [cached context ; block] in ONE
+forward (`block_hidden`). Block K/V are written into the slots right after
+the context and never kept (the row length does not advance), so the next
+context append simply overwrites them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockspec.config import DraftConfig
+from blockspec.decoding.kv_cache import KVCache
+from blockspec.models.heads import ConfidenceHead, MarkovHead
+from blockspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, attend
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                   cfg.head_dim, False, False, True, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                context: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: tuple[KVCache, int, torch.Tensor, int] | None = None) -> torch.Tensor:
+        """Block tokens h attend to context K/V plus the block's own K/V.
+
+        context: explicit (k, v) [B, Hkv, S, D] placed before the block (training);
+        cache: (cache, layer, slots, upto): the block K/V are written at `slots`
+        right after each row's context and attention reads cache[:upto]."""
+        x = self.input_layernorm(h)
+        attn = self.self_attn
+        q = attn.project_q(x, cos, sin)
+        k, v = attn.project_kv(x, cos, sin)
+        if cache is not None:
+            kv_cache, layer, slots, upto = cache
+            kv_cache.write(layer, k, v, slots)
+            k, v = kv_cache.view(layer, upto)
+        elif context is not None:
+            k = torch.cat([context[0], k], dim=2)
+            v = torch.cat([context[1], v], dim=2)
+        h = h + attn.output(attend(q, k, v, mask))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftModel(nn.Module):
+    """Draft weights. The target's embedding and lm_head are borrowed at call
+    time (`embed`, `lm_head` arguments), never stored here."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        n_feat = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self.markov_head = (MarkovHead(cfg.vocab_size, cfg.hidden_size, cfg.markov_rank, cfg.markov_head_type)
+                            if cfg.markov_rank > 0 else None)
+        conf_rank = cfg.markov_rank if (cfg.confidence_head_with_markov and cfg.markov_rank > 0) else 0
+        self.confidence_head = ConfidenceHead(cfg.hidden_size, conf_rank) if cfg.enable_confidence_head else None
+        self._fused: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, cfg.head_dim, capacity,
+                       self.dtype, self.fc.weight.device)
+
+    # -- context ----------------------------------------------------------------
+    def fused_kv_weight(self) -> torch.Tensor:
+        """All layers' k_proj and v_proj weights stacked for one GEMM (cached in eval)."""
+        version = sum(l.self_attn.k_proj.weight._version + l.self_attn.v_proj.weight._version for l in self.layers)
+        if self.training or self._fused is None or self._fused[0] != version:
+            w = torch.cat([torch.cat([l.self_attn.k_proj.weight, l.self_attn.v_proj.weight]) for l in self.layers])
+            if self.training:
+                return w
+            self._fused = (version, w)
+        return self._fused[1]
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor, fused: bool = True
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """features [B, n, len(ids)*H] at `positions` [B, n] -> per-layer (K, V) [B, Hkv, n, D].
+
+        The context bypasses input_layernorm: K = RoPE(k_norm(k_proj(ctx))), V = v_proj(ctx)."""
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
+        cos, sin = self.rotary(positions, ctx.dtype)
+        out = []
+        if fused:
+            kv_dim = self.config.num_key_value_heads * self.config.head_dim
+            chunks = (ctx @ self.fused_kv_weight().T).split(kv_dim, dim=-1)
+            for i, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                out.append((attn.prepare_k(chunks[2 * i], cos, sin), attn.split(chunks[2 * i + 1], attn.kv_heads)))
+        else:
+            for layer in self.layers:
+                out.append(layer.self_attn.project_kv(ctx, cos, sin))
+        return out
+
+    def append_context(self, cache: KVCache, features: torch.Tensor, num_new: torch.Tensor | int) -> None:
+        """Write K/V for the next features.shape[1] positions of every row; rows advance by num_new."""
+        width = features.shape[1]
+        cache.check_room(width)
+        slots = cache.positions(width)
+        for i, (k, v) in enumerate(self.context_kv(features, slots)):
+            cache.write(i, k, v, slots)
+        cache.advance(num_new)
+
+    # -- block ------------------------------------------------------------------
+    def block_hidden(self, block_ids: torch.Tensor, cache: KVCache, embed: nn.Embedding) -> torch.Tensor:
+        """block_ids [B, S] at positions cache.lengths.. -> normed hidden states [B, S, H]."""
+        b, s = block_ids.shape
+        cache.check_room(s)
+        slots = cache.positions(s)
+        upto = int(cache.lengths.max()) + s
+        mask = None
+        if b > 1:
+            key_pos = torch.arange(upto, device=block_ids.device)
+            mask = (key_pos.view(1, 1, upto) < (cache.lengths + s).view(b, 1, 1)).unsqueeze(1)
+        h = embed(block_ids).to(self.dtype)
+        cos, sin = self.rotary(slots, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask, cache=(cache, i, slots, upto))
+        return self.norm(h)
+
+    def forward_packed(self, features: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor,
+                       mask: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
+        """Training forward: context of every position [B, T] plus many blocks at once.
+
+        block_ids / block_positions [B, N]; mask [B, 1, N, T + N] (True = may attend).
+        Returns normed hidden states of the block tokens [B, N, H]."""
+        t = features.shape[1]
+        ctx_pos = torch.arange(t, device=features.device).expand(features.shape[0], t)
+        context = self.context_kv(features, ctx_pos, fused=False)
+        h = embed(block_ids).to(self.dtype)
+        cos, sin = self.rotary(block_positions, h.dtype)
+        for layer, ctx in zip(self.layers, context):
+            h = layer(h, cos, sin, mask, context=ctx)
+        return self.norm(h)
+
+    # -- heads ------------------------------------------------------------------
+    def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Per-slot acceptance probability c_k [B, S] (calibrated when temperatures are set)."""
+        assert self.confidence_head is not None
+        prev_embed = None
+        if self.confidence_head.proj.in_features > self.config.hidden_size:
+            assert self.markov_head is not None
+            prev_embed = self.markov_head.markov_w1(prev)
+        raw = self.confidence_head.logit(h, prev_embed).float()
+        temps = self.config.confidence_temperatures
+        if temps is not None:
+            raw = raw / torch.tensor(temps[: raw.shape[-1]], device=raw.device)
+        return torch.sigmoid(raw)
+

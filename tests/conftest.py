@@ -1,0 +1,58 @@
+"""Tiny random models built in memory (and written to disk when a test needs files)."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from blockspec.config import DraftConfig, TargetConfig
+from blockspec.models.draft import DraftModel
+from blockspec.models.target import TargetModel
+
+torch.set_num_threads(1)
+
+
+def tiny_target_config(model_type: str = "qwen3", vocab: int = 64, layers: int = 4, **kw) -> TargetConfig:
+    raw = dict(model_type=model_type, vocab_size=vocab, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               max_position_embeddings=256, tie_word_embeddings=model_type == "qwen3", eos_token_id=vocab - 1)
+    raw.update(kw)
+    return TargetConfig.from_dict(raw)
+
+
+def make_target(seed: int = 0, dtype: torch.dtype = torch.float32, **kw) -> TargetModel:
+    torch.manual_seed(seed)
+    model = TargetModel(tiny_target_config(**kw))
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights: peaked, less tie-prone distributions
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def make_draft(target: TargetModel, layout: str = "zlab", block_size: int = 4, seed: int = 1,
+               markov_rank: int = 0, markov_type: str = "vanilla", confidence: bool = False,
+               layers: int = 1, dtype: torch.dtype | None = None) -> DraftModel:
+    tc = target.config
+    cfg = DraftConfig(layout=layout, block_size=block_size, mask_token_id=tc.vocab_size - 2,
+                      target_layer_ids=tc.default_layer_ids(2), num_target_layers=tc.num_hidden_layers,
+                      hidden_size=tc.hidden_size, intermediate_size=48, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=tc.vocab_size,
+                      markov_rank=markov_rank, markov_head_type=markov_type, enable_confidence_head=confidence)
+    torch.manual_seed(seed)
+    draft = DraftModel(cfg)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return draft.to(dtype or target.dtype).eval().requires_grad_(False)
+
+
+@pytest.fixture
+def target() -> TargetModel:
+    return make_target()
+
+
+@pytest.fixture
+def target64() -> TargetModel:
+    return make_target(dtype=torch.float64)

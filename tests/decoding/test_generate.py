@@ -1,0 +1,129 @@
+"""Greedy speculative output == AR greedy output, for every method, layout, block
+size and batch mix; and the KV cache's rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.config import SamplingParams
+from blockspec.decoding import generate as generate_module
+from blockspec.decoding.generate import generate
+from blockspec.decoding.speculate import Proposal
+from blockspec.errors import BlockspecError
+from conftest import make_draft, make_target
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
+DRAFTS = [
+    ("zlab", 0, "vanilla", False),
+    ("deepspec", 0, "vanilla", False),
+    ("deepspec", 4, "vanilla", True),
+    ("deepspec", 4, "gated", True),
+    ("deepspec", 4, "rnn", True),
+]
+
+
+@pytest.fixture(scope="module")
+def target64():
+    return make_target(dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def ar_reference(target64):
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    return [generate(target64, [p], sp).completions[0].tokens for p in PROMPTS]
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("layout, rank, kind, confidence", DRAFTS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_random_draft_greedy_equals_ar(target64, ar_reference, block_size, layout, rank, kind, confidence, batch):
+    draft = make_draft(target64, layout, block_size, markov_rank=rank, markov_type=kind, confidence=confidence)
+    prompts = PROMPTS[:batch] if batch > 1 else [PROMPTS[2]]
+    expected = ar_reference[:batch] if batch > 1 else [ar_reference[2]]
+    out = generate(target64, prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), draft=draft)
+    assert [c.tokens for c in out.completions] == expected
+
+
+def oracle_propose(reference: list[list[int]], corrupt_every: int):
+    """A propose() that drafts the target's own greedy continuation (found by
+    matching position + anchor against the reference), corrupting some slots,
+    so that long accepted runs, partial runs and full rejections all occur."""
+    real = generate_module.propose
+    calls = {"n": 0}
+
+    def propose(draft, target, draft_cache, anchors, sampler, num_drafts=None):
+        proposal = real(draft, target, draft_cache, anchors, sampler, num_drafts)
+        tokens = proposal.tokens.clone()
+        g = tokens.shape[1]
+        for r in range(tokens.shape[0]):
+            p, anchor = int(draft_cache.lengths[r]), int(anchors[r])
+            for seq in reference:
+                if p < len(seq) and seq[p] == anchor:
+                    cont = seq[p + 1:p + 1 + g]
+                    tokens[r, :len(cont)] = torch.tensor(cont)
+                    break
+            calls["n"] += 1
+            if calls["n"] % corrupt_every == 0:
+                k = calls["n"] % g
+                tokens[r, k] = (tokens[r, k] + 1) % target.config.vocab_size
+        probs = torch.nn.functional.one_hot(tokens, target.config.vocab_size).double()
+        return Proposal(tokens, probs, proposal.confidence)
+
+    return propose
+
+
+@pytest.mark.parametrize("layout, rank, kind, confidence", [DRAFTS[0], DRAFTS[2]])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_oracle_drafts_long_runs_and_stop_inside_run(monkeypatch, target64, ar_reference, layout, rank, kind,
+                                                      confidence, block_size):
+    full = [p + a for p, a in zip(PROMPTS, ar_reference)]
+    monkeypatch.setattr(generate_module, "propose", oracle_propose(full, corrupt_every=3))
+    draft = make_draft(target64, layout, block_size, markov_rank=rank, markov_type=kind, confidence=confidence)
+    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True), draft=draft)
+    assert [c.tokens for c in out.completions] == ar_reference
+    assert out.tau > 2.0  # long accepted runs really happened
+    # A stop token that occurs mid-continuation truncates inside an accepted run.
+    stop = ar_reference[0][9]
+    cut = [ref[:ref.index(stop)] if stop in ref else ref for ref in ar_reference]
+    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=24, stop_token_ids=[stop], ignore_eos=True),
+                   draft=draft)
+    assert [c.tokens for c in out.completions] == cut
+    assert [c.finish_reason for c in out.completions][0] == "stop"
+    # max_new_tokens inside an accepted run
+    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=7, ignore_eos=True), draft=draft)
+    assert [c.tokens for c in out.completions] == [ref[:7] for ref in ar_reference]
+
+
+def test_eos_stops_and_is_not_emitted(target64, ar_reference):
+    eos = ar_reference[1][5]
+    target64.config.eos_token_id = [eos]
+    try:
+        out = generate(target64, [PROMPTS[1]], SamplingParams(max_new_tokens=24))
+    finally:
+        target64.config.eos_token_id = [target64.config.vocab_size - 1]
+    assert out.completions[0].tokens == ar_reference[1][:ar_reference[1].index(eos)]
+    assert out.completions[0].finish_reason == "stop"
+
+
+def test_kv_rollback_then_reappend_matches_fresh_forward(target64):
+    seq = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    cache = target64.new_cache(1, 32)
+    target64(seq[:, :6], cache)
+    target64(torch.tensor([[7, 7, 7]]), cache)  # a rejected draft
+    cache.truncate(torch.tensor([6]))
+    tail = target64(seq[:, 6:], cache).logits
+    fresh = target64(seq).logits[:, 6:]
+    assert torch.allclose(tail, fresh, atol=1e-10)
+
+
+def test_bad_inputs(target64):
+    with pytest.raises(BlockspecError, match="supports 256"):
+        generate(target64, [[1] * 250], SamplingParams(max_new_tokens=10))
+    with pytest.raises(BlockspecError, match="empty"):
+        generate(target64, [[]], SamplingParams())
+    with pytest.raises(BlockspecError, match="needs a draft"):
+        generate(target64, [[1]], SamplingParams(), method="dflash")
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)):
+        with pytest.raises(BlockspecError):
+            SamplingParams(**bad)
