@@ -56,3 +56,37 @@ def target() -> TargetModel:
 @pytest.fixture
 def target64() -> TargetModel:
     return make_target(dtype=torch.float64)
+
+
+def write_tiny_target_dir(path, vocab: int = 64, seed: int = 0):
+    """A tiny random target on disk with a word-level tokenizer holding the special tokens."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from blockspec.models.checkpoint import save_target
+
+    target = make_target(seed=seed, vocab=vocab)
+    save_target(target, path)
+    words = {f"w{i}": i for i in range(vocab - 3)}
+    words.update({"<|pad|>": vocab - 3, "<|mask|>": vocab - 2, "<|endoftext|>": vocab - 1})
+    tok = Tokenizer(models.WordLevel(words, unk_token="<|pad|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>", "mask_token": "<|mask|>",
+         "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
+    return target
+
+
+def write_pattern_data(path, n: int = 64, vocab: int = 60, seed: int = 0):
+    """Sequences whose responses follow x[t+1] = (x[t] + 3) % vocab: learnable in a few steps."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            start = rng.randrange(vocab)
+            seq = [(start + 3 * i) % vocab for i in range(40)]
+            f.write(json.dumps({"prompt_ids": seq[:8], "response_ids": seq[8:]}) + "\n")

@@ -60,9 +60,105 @@ def cmd_corpus(args: argparse.Namespace) -> None:
         train_tokenizer(Path(args.out), Path(args.tokenizer_out), args.vocab_size)
 
 
+def load_models(args: argparse.Namespace):
+    """Target, tokenizer and (for speculative methods) draft, embedded defaults unless given."""
+    from blockspec import embedded
+    from blockspec.models.checkpoint import load_draft, load_target
+    from blockspec.models.tokenizer import Tokenizer
+
+    target_dir = Path(args.target) if args.target else embedded.default_target()
+    target = load_target(target_dir, dtype=args.dtype)
+    tokenizer = Tokenizer(target_dir)
+    draft = None
+    if args.method != "ar":
+        draft_dir = Path(args.draft) if args.draft else embedded.default_draft(args.method)
+        draft = load_draft(draft_dir, dtype=args.dtype, target=target)
+        if args.block_size:
+            draft.set_block_size(args.block_size)
+    return target, tokenizer, draft
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="HF-format target directory (default: the embedded model)")
+    p.add_argument("--draft", default=None, help="draft directory (default: the embedded draft for --method)")
+    p.add_argument("--method", choices=["ar", "dflash", "dspark"], default="ar")
+    p.add_argument("--block-size", type=int, default=None, help="run with a shorter block than trained")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    import time
+
+    from blockspec.config import SamplingParams
+    from blockspec.decoding.generate import generate
+    from blockspec.models.tokenizer import StreamDecoder
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens)
+    target, tokenizer, draft = load_models(args)
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    prompt_ids = tokenizer.encode(text)
+    stream = StreamDecoder(tokenizer)
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+
+    def on_tokens(row: int, tokens: list[int]) -> None:
+        sys.stdout.write(stream.push(tokens))
+        sys.stdout.flush()
+
+    t0 = time.perf_counter()
+    out = generate(target, [prompt_ids], params, draft=draft, method=args.method, rule=args.rule,
+                   on_tokens=on_tokens)
+    elapsed = time.perf_counter() - t0
+    sys.stdout.write("\n")
+    if args.stats:
+        c, t = out.completions[0], out.timing
+        print(f"[{args.method}] {len(c.tokens)} tokens in {elapsed:.2f}s ({len(c.tokens) / elapsed:.1f} tok/s), "
+              f"tau {c.stats.tau:.2f} over {c.stats.rounds} rounds; prefill {t.prefill_s * 1e3:.0f} ms, "
+              f"draft {t.draft_s * 1e3:.0f} ms, verify {t.verify_s * 1e3:.0f} ms; finish: {c.finish_reason}",
+              file=sys.stderr)
+
+
+def cmd_regenerate(args: argparse.Namespace) -> None:
+    from blockspec import embedded
+    from blockspec.models.checkpoint import load_target
+    from blockspec.models.tokenizer import Tokenizer
+    from blockspec.training.data import load_prompts, regenerate
+
+    target_dir = Path(args.target) if args.target else embedded.default_target()
+    target = load_target(target_dir, dtype=args.dtype)
+    prompts = load_prompts(args.prompts, Tokenizer(target_dir), args.num_prompts, seed=args.seed)
+    n = regenerate(target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                   temperature=args.temperature, seed=args.seed)
+    print(json.dumps({"prompts": n, "out": args.out}))
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from blockspec.training.trainer import TrainConfig, train
+    result = train(dataclass_from_args(TrainConfig, args, args.config))
+    if result["rank"] == 0:
+        print(json.dumps({k: v for k, v in result.items() if k != "param_checksum"}))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockspec", description="Block speculative decoding (DFlash / DSpark).")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text (streams to the terminal)")
+    p.add_argument("prompt")
+    add_model_flags(p)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--rule", choices=["rejection", "match"], default="rejection",
+                   help="acceptance rule when sampling (both lossless; rejection accepts more)")
+    p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
+    p.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True)
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("corpus", help="build the offline Python code corpus (+ BPE tokenizer)")
     p.add_argument("--out", default="runs/corpus")
@@ -70,6 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-out", default="runs/tokenizer")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.set_defaults(func=cmd_corpus)
+
+    p = sub.add_parser("regenerate", help="write the target's own responses to prompts (draft training data)")
+    p.add_argument("--prompts", required=True, help="jsonl of prompt/text/messages, or a corpus directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--target", default=None)
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32")
+    p.set_defaults(func=cmd_regenerate)
+
+    from blockspec.training.trainer import TrainConfig
+    p = sub.add_parser("train", help="train a DFlash or DSpark drafter (also under torchrun)")
+    p.add_argument("--config", default=None, help="JSON file of TrainConfig fields")
+    add_dataclass_flags(p, TrainConfig)
+    p.set_defaults(func=cmd_train)
 
     from blockspec.training.pretrain import PretrainConfig
     p = sub.add_parser("pretrain", help="pretrain a small target model on the code corpus")

@@ -87,3 +87,45 @@ class KVCache:
 
     def reset(self) -> None:
         self.lengths.zero_()
+
+    # -- slot-pool operations (continuous batching, decoding/engine.py) ------------
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of K and V held by one row (one request's slot)."""
+        return self.nbytes // max(1, self.rows)
+
+    def slice_rows(self, start: int, stop: int) -> "KVCache":
+        """A cache over rows start..stop-1 that shares storage (and lengths) with this one.
+
+        Writes, `advance` and `truncate` on the slice land in this cache; only
+        `keep_rows`, which reallocates, must not be called on a slice."""
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.lengths = self.lengths[start:stop]
+        view.capacity = self.capacity
+        return view
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row `src` (its valid slots only) into row `dst` and empty `src`.
+
+        Keeps a pool's live rows contiguous when a request leaves: O(row length)."""
+        n = int(self.lengths[src])
+        if src != dst:
+            self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+            self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+            self.lengths[dst] = n
+        self.lengths[src] = 0
+
+    def check_room_rows(self, counts: torch.Tensor) -> None:
+        """Raise if appending counts[r] slots to any row r would overflow it."""
+        need = int((self.lengths + counts).max()) if counts.numel() else 0
+        if need > self.capacity:
+            raise BlockspecError(
+                f"KV cache overflow: {need} positions needed, capacity is {self.capacity}")
+
+    def write_packed(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+        """Packed tokens: k, v [Hkv, N, D]; token i goes to slot slots[i] of row rows[i]."""
+        # Advanced indices on dims 0 and 2 (with a slice between) put N first.
+        self.k[layer][rows, :, slots] = k.transpose(0, 1)
+        self.v[layer][rows, :, slots] = v.transpose(0, 1)

@@ -15,6 +15,7 @@ from torch import nn
 
 from blockspec.config import DraftConfig
 from blockspec.decoding.kv_cache import KVCache
+from blockspec.errors import BlockspecError
 from blockspec.models.heads import ConfidenceHead, MarkovHead
 from blockspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, attend
 
@@ -38,8 +39,7 @@ class DraftLayer(nn.Module):
         right after each row's context and attention reads cache[:upto]."""
         x = self.input_layernorm(h)
         attn = self.self_attn
-        q = attn.project_q(x, cos, sin)
-        k, v = attn.project_kv(x, cos, sin)
+        q, k, v = attn.project_qkv(x, cos, sin)
         if cache is not None:
             kv_cache, layer, slots, upto = cache
             kv_cache.write(layer, k, v, slots)
@@ -73,6 +73,17 @@ class DraftModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    def set_block_size(self, block_size: int) -> None:
+        """Run with a shorter block than trained (fewer drafts per round)."""
+        cfg = self.config
+        if block_size < (2 if cfg.layout == "zlab" else 1):
+            raise BlockspecError(f"block size {block_size} is too small for the {cfg.layout} layout")
+        if block_size > cfg.block_size:
+            raise BlockspecError(f"block size {block_size} exceeds the {cfg.block_size} this draft was trained with")
+        cfg.block_size = block_size
+        if cfg.confidence_temperatures is not None:
+            cfg.confidence_temperatures = cfg.confidence_temperatures[:cfg.num_drafts]
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         cfg = self.config
@@ -135,9 +146,9 @@ class DraftModel(nn.Module):
             h = layer(h, cos, sin, mask, cache=(cache, i, slots, upto))
         return self.norm(h)
 
-    def forward_packed(self, features: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor,
+    def forward(self, features: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor,
                        mask: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
-        """Training forward: context of every position [B, T] plus many blocks at once.
+        """Training forward (packed): context of every position [B, T] plus many blocks at once.
 
         block_ids / block_positions [B, N]; mask [B, 1, N, T + N] (True = may attend).
         Returns normed hidden states of the block tokens [B, N, H]."""

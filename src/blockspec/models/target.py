@@ -32,8 +32,7 @@ class DecoderLayer(nn.Module):
                 mask: torch.Tensor | None, upto: int) -> torch.Tensor:
         x = self.input_layernorm(h)
         attn = self.self_attn
-        q = attn.project_q(x, cos, sin)
-        k, v = attn.project_kv(x, cos, sin)
+        q, k, v = attn.project_qkv(x, cos, sin)
         if cache is None:
             out = attend(q, k, v, mask, causal=True)
         else:
@@ -42,6 +41,26 @@ class DecoderLayer(nn.Module):
             out = attend(q, ck, cv, mask)
         h = h + attn.output(out)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def packed_layer(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int,
+                 cache: KVCache, rows: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor, upto: int
+                 ) -> torch.Tensor:
+    """One decoder layer over a packed sequence h [1, N, H] whose token i is the
+    cols[i]-th new token of cache row rows[i] (see TargetModel.forward_packed)."""
+    x = layer.input_layernorm(h)
+    attn = layer.self_attn
+    q = attn.project_q(x, cos, sin)[0]          # [Hq, N, D]
+    k, v = attn.project_kv(x, cos, sin)          # [1, Hkv, N, D]
+    cache.write_packed(layer_idx, k[0], v[0], rows, cache.lengths[rows] + cols)
+    # Attention reads each row's cache once: queries are scattered to [R, Hq, W, D]
+    # (W = widest row) for one SDPA call; the masked padding queries are dropped.
+    q_rows = q.new_zeros(cache.rows, q.shape[0], mask.shape[2], q.shape[2])
+    q_rows[rows, :, cols] = q.transpose(0, 1)
+    ck, cv = cache.view(layer_idx, upto)
+    out = attend(q_rows, ck, cv, mask)[rows, :, cols]   # [N, Hq, D]
+    h = h + attn.output(out.transpose(0, 1).unsqueeze(0))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 @dataclass
@@ -111,6 +130,38 @@ class TargetModel(nn.Module):
             cache.advance(t if num_new is None else num_new)
         if logits_at is not None:
             h = h.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+        logits = self.lm_head(self.norm(h))
+        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        return TargetOutput(logits, features)
+
+    def forward_packed(self, tokens: torch.Tensor, counts: torch.Tensor, cache: KVCache, *,
+                       capture: tuple[int, ...] = ()) -> TargetOutput:
+        """Ragged (packed) append for verification: rows add different numbers of tokens.
+
+        tokens [N]: every row's new tokens back to back, row r contributing
+        counts[r] >= 0 of them (N = counts.sum()), appended causally after the
+        row's cache length. Embeddings, projections, MLPs and the lm_head run
+        over the N packed tokens only; attention is per row against that row's
+        cache. Lengths advance by `counts`. Returns logits [1, N, V] and
+        features [1, N, len(capture)*H] in packed order."""
+        counts = counts.to(device=tokens.device, dtype=torch.long)
+        cache.check_room_rows(counts)
+        rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=tokens.device), counts)
+        offsets = torch.cumsum(counts, 0) - counts
+        cols = torch.arange(tokens.shape[0], device=tokens.device) - offsets[rows]
+        width = max(1, int(counts.max()))
+        upto = int((cache.lengths + counts).max())
+        # Query t of row r sees slots <= lengths[r] + t (padding queries included: no empty rows).
+        limit = cache.lengths.unsqueeze(1) + torch.arange(width, device=tokens.device)
+        mask = (torch.arange(upto, device=tokens.device).view(1, 1, upto) <= limit.unsqueeze(-1)).unsqueeze(1)
+        h = self.embed_tokens(tokens).unsqueeze(0)
+        cos, sin = self.rotary((cache.lengths[rows] + cols).unsqueeze(0), h.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = packed_layer(layer, h, cos, sin, i, cache, rows, cols, mask, upto)
+            if i in capture:
+                captured[i] = h
+        cache.advance(counts)
         logits = self.lm_head(self.norm(h))
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return TargetOutput(logits, features)

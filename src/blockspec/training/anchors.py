@@ -1,0 +1,69 @@
+"""Random anchors and the packed block attention mask (design section 7).
+
+All blocks of a sequence run in one draft forward. Keys are
+[context positions 0..T-1 | all block slots]; the block of anchor a sees
+context keys j < a (the anchor's own target state does not exist at
+inference time) and every slot of its own block, nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PackedBlocks:
+    anchors: torch.Tensor      # [B, A] anchor positions (padded entries are 0)
+    valid: torch.Tensor        # [B, A] bool: real anchor or padding
+    block_ids: torch.Tensor    # [B, A*S] [anchor token, MASK...] per block
+    positions: torch.Tensor    # [B, A*S] a, a+1, ..., a+S-1
+    mask: torch.Tensor         # [B, 1, A*S, T + A*S] True = may attend
+
+
+def sample_anchors(loss_mask: torch.Tensor, span: int, num_anchors: int, gen: torch.Generator
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, up to `num_anchors` positions a whose next `span` tokens (a+1..a+span)
+    are all trainable (response) tokens; uniformly without replacement, sorted."""
+    b, t = loss_mask.shape
+    ok = torch.zeros(b, t, dtype=torch.bool)
+    if t > span:
+        # window[a] = all(loss_mask[a+1 : a+1+span])
+        m = loss_mask[:, 1:].long()
+        csum = torch.cat([torch.zeros(b, 1, dtype=torch.long), m.cumsum(1)], dim=1)
+        full = (csum[:, span:] - csum[:, :-span]) == span  # [B, t-span]
+        ok[:, :t - span] = full
+    anchors = torch.zeros(b, num_anchors, dtype=torch.long)
+    valid = torch.zeros(b, num_anchors, dtype=torch.bool)
+    for r in range(b):
+        cand = ok[r].nonzero().flatten()
+        if len(cand) == 0:
+            continue
+        pick = cand[torch.randperm(len(cand), generator=gen)[:num_anchors]].sort().values
+        anchors[r, :len(pick)] = pick
+        valid[r, :len(pick)] = True
+    return anchors, valid
+
+
+def pack_blocks(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
+                mask_token_id: int) -> PackedBlocks:
+    b, t = input_ids.shape
+    a = anchors.shape[1]
+    s = block_size
+    slot = torch.arange(s)
+    positions = (anchors.unsqueeze(-1) + slot).reshape(b, a * s)
+    block_ids = torch.full((b, a, s), mask_token_id, dtype=torch.long)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    # Query i belongs to block i // s; context key j is visible iff j < anchor of that block.
+    q_anchor = anchors.repeat_interleave(s, dim=1)                                  # [B, N]
+    q_valid = valid.repeat_interleave(s, dim=1)
+    ctx_mask = torch.arange(t).view(1, 1, t) < q_anchor.unsqueeze(-1)                # [B, N, T]
+    q_block = torch.arange(a * s) // s
+    own = (q_block.view(-1, 1) == q_block.view(1, -1)).expand(b, -1, -1)            # [B, N, N]
+    mask = torch.cat([ctx_mask, own], dim=-1) & q_valid.unsqueeze(-1)
+    # Padded queries still need one visible key (their own slot) to avoid NaNs.
+    diag = torch.zeros(a * s, t + a * s, dtype=torch.bool)
+    diag[torch.arange(a * s), t + torch.arange(a * s)] = True
+    mask = mask | (~q_valid.unsqueeze(-1) & diag)
+    return PackedBlocks(anchors, valid, block_ids.reshape(b, a * s), positions, mask.unsqueeze(1))

@@ -1,0 +1,412 @@
+"""The continuous-batching engine: greedy output equals single-request AR output
+under random arrivals and cancellations; sampled output follows the exact target
+distribution under batching; packed verification; slots, limits, streaming,
+stop strings and the background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from blockspec.config import SamplingParams
+from blockspec.decoding import engine as engine_module
+from blockspec.decoding.engine import Engine
+from blockspec.decoding.generate import generate
+from blockspec.decoding.sampling import RowSampler, Verdict, warp
+from blockspec.decoding.scheduler import CostTable
+from blockspec.decoding.speculate import Proposal, prefill
+from blockspec.errors import BlockspecError
+from conftest import make_draft, make_target
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [4, 4, 4, 4],
+           [20, 21, 22], [30, 31, 32, 33, 34, 35], [40, 2]]
+MAX_NEW = [20, 12, 16, 20, 9, 20, 14, 18]
+# Synthetic verify cost: affine with a knee, so the planner picks 0..g drafts for different rows.
+SCHED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0])
+CONFIGS = ["ar", "dflash", "dspark", "dspark-scheduled"]
+
+
+@pytest.fixture(scope="module")
+def target64():
+    return make_target(dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def requests(target64):
+    """(prompt, params, AR greedy reference); one request stops on a stop token mid-output."""
+    out = []
+    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW)):
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        if i == 3:
+            plain = generate(target64, [prompt], params).completions[0].tokens
+            params = SamplingParams(max_new_tokens=n, stop_token_ids=[plain[6]], ignore_eos=True)
+        ref = generate(target64, [prompt], params).completions[0]
+        out.append((prompt, params, ref))
+    assert out[3][2].finish_reason == "stop"
+    return out
+
+
+def build(target, config: str, block_size: int = 4, max_running: int = 3, **kw) -> Engine:
+    if config == "ar":
+        return Engine(target, method="ar", max_running=max_running, max_model_len=64, **kw)
+    if config == "dflash":
+        return Engine(target, make_draft(target, "zlab", block_size), "dflash", max_running=max_running,
+                      max_model_len=64, **kw)
+    draft = make_draft(target, "deepspec", block_size, markov_rank=4, markov_type="gated", confidence=True)
+    table = SCHED_TABLE if config == "dspark-scheduled" else None
+    return Engine(target, draft, "dspark", scheduled=table is not None, cost_table=table,
+                  max_running=max_running, max_model_len=64, **kw)
+
+
+def count_calls(monkeypatch, obj, name: str) -> list[int]:
+    calls = [0]
+    real = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, wrapper)
+    return calls
+
+
+def drive(engine: Engine, requests, seed: int, cancel_waiting: int = 2, cancel_running: int = 5):
+    """Submit requests at random times between steps; cancel one while it waits and
+    one after it has streamed tokens. Returns handles and streamed tokens per request."""
+    rng = random.Random(seed)
+    pending = list(range(len(requests)))
+    handles, streamed = {}, {i: [] for i in pending}
+    while pending or engine.has_work:
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                i = pending.pop(0)
+                handles[i] = engine.submit(requests[i][0], requests[i][1],
+                                           on_output=lambda out, i=i: streamed[i].extend(out.token_ids))
+                if i == cancel_waiting:
+                    assert engine.cancel(handles[i].request_id)
+        if cancel_running in handles and len(streamed[cancel_running]) >= 3 and not handles[cancel_running].done:
+            assert engine.cancel(handles[cancel_running].request_id)
+        engine.step()
+    return handles, streamed
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_greedy_with_arrivals_and_cancellations_equals_ar(monkeypatch, target64, requests, config):
+    engine = build(target64, config)
+    packed = count_calls(monkeypatch, target64, "forward_packed")
+    proposals = count_calls(monkeypatch, engine_module, "propose")
+    handles, streamed = drive(engine, requests, seed=7)
+    for i, (_, _, ref) in enumerate(requests):
+        result = handles[i].result(timeout=0)
+        if i in (2, 5):
+            assert result.finish_reason == "cancelled"
+            assert result.tokens == ref.tokens[:len(result.tokens)]
+            continue
+        assert result.tokens == ref.tokens, f"request {i}"
+        assert result.finish_reason == ref.finish_reason
+        assert streamed[i] == result.tokens
+    assert len(streamed[5]) >= 3 and handles[5].result().tokens == streamed[5]
+    m = engine.metrics()
+    assert (m["kv_bytes_in_use"], m["running"], m["waiting"]) == (0, 0, 0)
+    assert m["kv_bytes_total"] == 3 * m["kv_bytes_per_slot"] > 0
+    assert (m["finished"], m["cancelled"]) == (6, 2)
+    assert m["generated_tokens"] == sum(len(h.result().tokens) for h in handles.values())
+    # ONE packed target forward and (speculative methods) ONE draft proposal per round.
+    assert packed[0] == m["rounds"] and proposals[0] == (0 if config == "ar" else m["rounds"])
+    if config == "dspark-scheduled":
+        assert {0, 1, 4} <= set(m["verified_histogram"])  # per-row lengths vary, 0 drafts included
+
+
+def oracle_propose(full_sequences: list[list[int]], corrupt_every: int = 4):
+    """Draft the target's own greedy continuation (found by position + anchor), corrupt
+    some slots, and report varied confidences so the scheduler picks varied lengths."""
+    real = engine_module.propose
+    calls = itertools.count(1)
+
+    def propose(draft, target, draft_cache, anchors, sampler, num_drafts=None):
+        proposal = real(draft, target, draft_cache, anchors, sampler, num_drafts)
+        tokens = proposal.tokens.clone()
+        r, g = tokens.shape
+        for row in range(r):
+            p, anchor = int(draft_cache.lengths[row]), int(anchors[row])
+            for seq in full_sequences:
+                if p < len(seq) and seq[p] == anchor:
+                    cont = seq[p + 1:p + 1 + g]
+                    tokens[row, :len(cont)] = torch.tensor(cont)
+                    break
+            n = next(calls)
+            if n % corrupt_every == 0:
+                tokens[row, n % g] = (tokens[row, n % g] + 1) % target.config.vocab_size
+        pos = draft_cache.lengths.double().unsqueeze(1) + torch.arange(g, dtype=torch.float64)
+        confidence = 0.35 + 0.64 * torch.sin(pos * 12.9898 + 78.233).abs()
+        probs = torch.nn.functional.one_hot(tokens, target.config.vocab_size).double()
+        return Proposal(tokens, probs, confidence.float())
+
+    return propose
+
+
+@pytest.mark.parametrize("config", ["dflash", "dspark", "dspark-scheduled"])
+def test_long_accepted_runs_stop_inside_runs(monkeypatch, target64, requests, config):
+    full = [prompt + ref.tokens for prompt, _, ref in requests]
+    monkeypatch.setattr(engine_module, "propose", oracle_propose(full))
+    engine = build(target64, config, block_size=8, max_running=4)
+    handles, _ = drive(engine, requests, seed=3, cancel_waiting=-1, cancel_running=-1)
+    assert [handles[i].result().tokens for i in range(len(requests))] == [ref.tokens for _, _, ref in requests]
+    m = engine.metrics()
+    assert m["tau"] > 2.0 and max(m["accepted_histogram"]) >= 6
+    if config == "dspark-scheduled":
+        assert len(m["verified_histogram"]) >= 4 and 0 in m["verified_histogram"]
+
+
+@pytest.mark.parametrize("config", ["dflash", "dspark"])
+def test_seeded_sampling_is_independent_of_the_batch(target64, requests, config):
+    """A seeded request draws from its own generator in the same order as when it
+    runs alone, so the engine reproduces single-request `generate` exactly."""
+    engine = build(target64, config, max_running=3)
+    sampled = [SamplingParams(temperature=0.8, top_k=20, seed=11, max_new_tokens=15, ignore_eos=True),
+               SamplingParams(temperature=1.0, top_p=0.9, seed=12, max_new_tokens=15, ignore_eos=True)]
+    mixed = [(PROMPTS[0], sampled[0], None), requests[1], (PROMPTS[2], sampled[1], None)] + requests[4:7]
+    handles, _ = drive(engine, mixed, seed=5, cancel_waiting=-1, cancel_running=4)
+    for i, prompt, params in [(0, PROMPTS[0], sampled[0]), (2, PROMPTS[2], sampled[1])]:
+        alone = generate(target64, [prompt], params, draft=engine.draft).completions[0].tokens
+        assert handles[i].result().tokens == alone
+
+
+def test_packed_forward_equals_per_row_forward(target64):
+    prompts, new = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12]], [[5, 6, 7], [], [2, 3]]
+    cache = target64.new_cache(3, 32)
+    capture = (1, 2)
+    with torch.inference_mode():
+        prefill(target64, cache, prompts, RowSampler.from_params([SamplingParams()] * 3))
+        out = target64.forward_packed(torch.tensor(sum(new, [])), torch.tensor([3, 0, 2]), cache, capture=capture)
+        full = [target64(torch.tensor([p + n]), capture=capture) for p, n in zip(prompts, new)]
+    ref_logits = torch.cat([f.logits[0, len(p):] for f, p in zip(full, prompts)])
+    ref_feats = torch.cat([f.features[0, len(p):] for f, p in zip(full, prompts)])
+    assert torch.allclose(out.logits[0], ref_logits, atol=1e-10)
+    assert torch.allclose(out.features[0], ref_feats, atol=1e-10)
+    assert cache.lengths.tolist() == [8, 2, 6]
+
+
+# -- sampling is lossless under batching ----------------------------------------------
+
+VOCAB, N, ALPHA = 12, 12000, 1e-3
+SAMPLE_PROMPT = [3, 5, 7, 2]
+
+
+@pytest.fixture(scope="module")
+def target12():
+    return make_target(seed=3, vocab=VOCAB, dtype=torch.float64)
+
+
+def exact_first_three(target, params: SamplingParams) -> torch.Tensor:
+    """P(t1, t2, t3 | prompt) under the warped target, flattened [V**3]."""
+    sampler = RowSampler.from_params([params])
+    seqs = [SAMPLE_PROMPT + list(p) for p in itertools.product(range(VOCAB), repeat=2)]
+    with torch.no_grad():
+        logits = target(torch.tensor(seqs)).logits[:, len(SAMPLE_PROMPT) - 1:]
+    probs = torch.cat([warp(logits[i:i + 1], sampler) for i in range(len(seqs))])  # [V*V, 3, V]
+    p1 = probs[0, 0].view(-1, 1, 1)
+    p2 = probs[::VOCAB, 1].view(VOCAB, VOCAB, 1)
+    p3 = probs[:, 2].view(VOCAB, VOCAB, VOCAB)
+    return (p1 * p2 * p3).flatten()
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square, cells with expected count < 5 pooled."""
+    stats = pytest.importorskip("scipy.stats")
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    return float(stats.chisquare(obs[keep].numpy(), exp[keep].numpy() * float(obs.sum() / exp[keep].sum())).pvalue)
+
+
+def sample_under_load(engine: Engine, params: SamplingParams) -> torch.Tensor:
+    """N seeded requests of the measured kind, interleaved with other prompts and params."""
+    rng = random.Random(0)
+    handles = []
+    for i in range(N):
+        handles.append(engine.submit(SAMPLE_PROMPT, SamplingParams(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=i,
+            max_new_tokens=3, ignore_eos=True)))
+        if i % 8 == 0:
+            prompt = [rng.randrange(VOCAB - 1) for _ in range(rng.randint(1, 6))]
+            engine.submit(prompt, SamplingParams(temperature=rng.choice([0.0, 0.7, 1.3]), top_p=0.9,
+                                                 max_new_tokens=rng.randint(2, 8), seed=N + i))
+    engine.run_until_done()
+    counts = torch.zeros(VOCAB ** 3)
+    for h in handles:
+        a, b, c = h.result().tokens
+        counts[(a * VOCAB + b) * VOCAB + c] += 1
+    return counts
+
+
+def sampling_engine(target, method: str) -> Engine:
+    if method == "dflash":
+        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24)
+    draft = make_draft(target, "deepspec", 3, seed=5, markov_rank=4, markov_type="gated", confidence=True)
+    return Engine(target, draft, "dspark", scheduled=True, cost_table=CostTable([1, 10000], [1.0, 51.0]),
+                  max_running=1024, max_model_len=24)
+
+
+@pytest.mark.parametrize("method, params", [
+    ("dflash", SamplingParams(temperature=1.0)),
+    ("dspark-scheduled", SamplingParams(temperature=0.7, top_p=0.8)),
+])
+def test_batched_sampling_follows_target_distribution(target12, method, params):
+    engine = sampling_engine(target12, method)
+    counts = sample_under_load(engine, params)
+    assert chi_square_p(counts, exact_first_three(target12, params)) > ALPHA
+    m = engine.metrics()
+    assert m["kv_bytes_in_use"] == 0 and m["finished"] == N + N // 8
+    if method == "dspark-scheduled":  # the planner really varied the lengths
+        assert all(m["verified_histogram"].get(k, 0) > 100 for k in range(4))
+        assert sum(m["accepted_histogram"].get(k, 0) for k in (1, 2, 3)) > 200
+
+
+def test_lossy_verifier_is_detected_under_batching(target12, monkeypatch):
+    """Power: accepting every verified draft gives the draft's distribution; the test sees it."""
+    def accept_all(target_logits, drafts, draft_probs, sampler, num_drafts=None, rule="rejection"):
+        rows = torch.arange(drafts.shape[0])
+        bonus = torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in
+                             zip(warp(target_logits, sampler)[rows, num_drafts], sampler.generators)])
+        return Verdict(num_drafts.clone(), bonus)
+
+    monkeypatch.setattr(engine_module, "verify", accept_all)
+    params = SamplingParams(temperature=1.0)
+    counts = sample_under_load(sampling_engine(target12, "dflash"), params)
+    assert chi_square_p(counts, exact_first_three(target12, params)) < ALPHA
+
+
+# -- slots, limits, rejection -----------------------------------------------------------
+
+def test_too_big_request_is_rejected_and_others_continue(target64, requests):
+    engine = build(target64, "dflash", max_running=2)
+    first = engine.submit(requests[0][0], requests[0][1])
+    engine.step()
+    with pytest.raises(BlockspecError, match="max_model_len=64"):
+        engine.submit([1] * 60, SamplingParams(max_new_tokens=10))
+    with pytest.raises(BlockspecError, match="empty"):
+        engine.submit([], SamplingParams())
+    with pytest.raises(BlockspecError, match="token ids"):
+        engine.submit([64], SamplingParams())
+    with pytest.raises(BlockspecError, match="tokenizer"):
+        engine.submit([1], SamplingParams(stop=["x"]))
+    second = engine.submit(requests[1][0], requests[1][1])
+    engine.run_until_done()
+    assert first.result().tokens == requests[0][2].tokens
+    assert second.result().tokens == requests[1][2].tokens
+    m = engine.metrics()
+    assert (m["rejected"], m["finished"], m["kv_bytes_in_use"]) == (4, 2, 0)
+    # Beyond the model itself: max_model_len defaults to max_position_embeddings (256).
+    with pytest.raises(BlockspecError, match="max_model_len=256"):
+        Engine(target64, max_running=1).submit([1] * 250, SamplingParams(max_new_tokens=10))
+    with pytest.raises(BlockspecError, match="max_model_len"):
+        Engine(target64, max_model_len=1000)
+
+
+def test_kv_budget_sets_the_slot_count(target64):
+    probe = build(target64, "dflash", max_running=1)
+    per_slot = probe.row_bytes
+    engine = build(target64, "dflash", max_running=32, kv_memory_gb=5.5 * per_slot / 2**30)
+    assert engine.rows == 5 and engine.metrics()["kv_bytes_total"] == 5 * per_slot
+    assert build(target64, "dflash", max_running=2, kv_memory_gb=1.0).rows == 2
+    with pytest.raises(BlockspecError, match="holds no request slot"):
+        build(target64, "dflash", kv_memory_gb=0.5 * per_slot / 2**30)
+    with pytest.raises(BlockspecError, match="confidence head"):
+        Engine(target64, make_draft(target64, "zlab", 4), "dflash", scheduled=True, cost_table=SCHED_TABLE)
+
+
+def test_requests_beyond_slots_wait_then_run(target64, requests):
+    engine = build(target64, "ar", max_running=2)
+    handles = [engine.submit(p, sp) for p, sp, _ in requests[:5]]
+    engine.step()
+    m = engine.metrics()
+    assert (m["running"], m["waiting"], m["kv_bytes_in_use"]) == (2, 3, 2 * m["kv_bytes_per_slot"])
+    engine.run_until_done()
+    assert [h.result().tokens for h in handles] == [ref.tokens for _, _, ref in requests[:5]]
+
+
+# -- stop strings and text ------------------------------------------------------------
+
+class CharTokenizer:
+    """Token i decodes to one or two letters, so stop strings can start mid-token."""
+
+    @staticmethod
+    def piece(i: int) -> str:
+        return chr(97 + i % 26) * (1 + i % 2)
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.piece(i) for i in ids)
+
+
+def test_stop_strings_cut_text_and_tokens(target64, requests):
+    tok = CharTokenizer()
+    prompt, _, ref = requests[0]
+    text = tok.decode(ref.tokens)
+    stop = text[9:12]
+    cut = text.find(stop)
+    keep = max(k for k in range(len(ref.tokens) + 1) if len(tok.decode(ref.tokens[:k])) <= cut)
+    engine = build(target64, "dflash", tokenizer=tok)
+    deltas = []
+    handle = engine.submit(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True, stop=["zzzz", stop]),
+                           on_output=deltas.append)
+    plain = engine.submit(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    engine.run_until_done()
+    result = handle.result()
+    assert result.finish_reason == "stop" and result.text == text[:cut]
+    assert result.tokens == ref.tokens[:keep]
+    assert "".join(d.text for d in deltas) == text[:cut]
+    assert sum((d.token_ids for d in deltas), []) == result.tokens
+    assert plain.result().text == text and plain.result().finish_reason == "length"
+
+
+# -- background thread ------------------------------------------------------------------
+
+def test_background_thread_streams_cancels_and_drains(target64, requests):
+    engine = build(target64, "dspark-scheduled", max_running=2)
+    engine.start()
+    callback_tokens: list[int] = []
+    h_iter = engine.submit(requests[0][0], requests[0][1])
+    h_cb = engine.submit(requests[1][0], requests[1][1], on_output=lambda o: callback_tokens.extend(o.token_ids))
+    h_async = engine.submit(requests[2][0], requests[2][1])
+    h_await = engine.submit(requests[4][0], requests[4][1])
+    h_cancel = engine.submit(PROMPTS[5], SamplingParams(max_new_tokens=60, ignore_eos=True))
+
+    streamed = [t for out in h_iter for t in out.token_ids]
+
+    async def consume():
+        got = [t async for out in h_async for t in out.token_ids]
+        return got, await h_await
+
+    async_tokens, awaited = asyncio.run(asyncio.wait_for(consume(), timeout=60))
+    for out in h_cancel:  # cancel once it is running and streaming
+        if out.token_ids:
+            engine.cancel(h_cancel.request_id)
+    engine.shutdown(drain=True, timeout=60)
+    assert streamed == h_iter.result().tokens == requests[0][2].tokens
+    assert callback_tokens == h_cb.result(timeout=1).tokens == requests[1][2].tokens
+    assert async_tokens == requests[2][2].tokens and awaited.tokens == requests[4][2].tokens
+    assert h_cancel.result().finish_reason == "cancelled" and len(h_cancel.result().tokens) < 60
+    assert engine.metrics()["kv_bytes_in_use"] == 0
+    with pytest.raises(BlockspecError, match="shut down"):
+        engine.submit([1], SamplingParams())
+
+
+def test_shutdown_without_drain_cancels_everything(target64):
+    engine = build(target64, "dflash", max_running=2)
+    engine.start()
+    handles = [engine.submit(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in PROMPTS[:5]]
+    next(iter(handles[0]))  # at least one step ran
+    engine.shutdown(drain=False, timeout=60)
+    reasons = {h.result(timeout=1).finish_reason for h in handles}
+    assert "cancelled" in reasons and reasons <= {"cancelled", "length"}
+    m = engine.metrics()
+    assert (m["kv_bytes_in_use"], m["running"], m["waiting"]) == (0, 0, 0)
+    assert not math.isnan(m["tau"])

@@ -1,0 +1,155 @@
+"""The DSpark prefix scheduler (design section 5) and the cost table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blockspec.decoding.scheduler import CostTable, model_signature, plan, profile_cost_table
+from blockspec.errors import BlockspecError
+from conftest import make_target
+
+
+def reference_plan(survival: list[list[float]], table: CostTable) -> list[int]:
+    """Design section 5 written out literally, one admission at a time."""
+    r = len(survival)
+    slots = sorted(((-a, j, row) for row, s in enumerate(survival) for j, a in enumerate(s)))
+    n, tau = r, float(r)
+    best = tau * float(table.sps(n))
+    lens = [0] * r
+    for neg_a, j, row in slots:
+        n, tau = n + 1, tau - neg_a
+        value = tau * float(table.sps(n))
+        if not value > best:
+            break  # stop at once: never look further
+        best = value
+        lens[row] = j + 1
+    return lens
+
+
+def run_plan(survival: list[list[float]], table: CostTable | None) -> list[int]:
+    return plan(torch.tensor(survival, dtype=torch.float64), table).tolist()
+
+
+def test_no_table_verifies_everything():
+    assert run_plan([[0.9, 0.1, 0.0], [0.2, 0.1, 0.05]], None) == [3, 3]
+
+
+def test_constant_cost_admits_every_positive_survival():
+    table = CostTable([1], [1.0])
+    # Admitting a zero-survival slot adds nothing: not an improvement, so the scan stops there.
+    assert run_plan([[0.9, 0.5, 0.0], [0.8, 0.0, 0.0]], table) == [2, 1]
+
+
+def test_linear_cost_known_answer():
+    # T(n) = 1 + 0.1 n. Values: n=2: 2/1.2=1.667; +0.9 -> 2.9/1.3=2.231; +0.7 -> 3.6/1.4=2.571;
+    # +0.6 -> 4.2/1.5=2.8; +0.3 -> 4.5/1.6=2.8125; +0.2 -> 4.7/1.7=2.765 (worse: stop).
+    table = CostTable([1, 100], [1.1, 11.0])
+    survival = [[0.9, 0.6, 0.2], [0.7, 0.3, 0.1]]
+    assert run_plan(survival, table) == [2, 2]
+    assert reference_plan(survival, table) == [2, 2]
+
+
+def test_early_stop_is_not_a_global_argmax():
+    """A flat stretch of T(n) (e.g. GPU tile quantisation): admitting d_1 alone loses,
+    d_1 + d_2 would win. A global argmax over cut points picks 2 drafts, letting
+    a_2 (which depends on the token d_1) decide whether d_1 is verified; the
+    rule stops at the first non-improving slot and verifies none."""
+    table = CostTable([1, 2, 3], [1.0, 1.6, 1.6])
+    survival = [[0.5, 0.45]]
+    values = [(1 + sum(survival[0][:k])) * float(table.sps(1 + k)) for k in range(3)]
+    assert max(range(3), key=values.__getitem__) == 2   # what a global argmax would pick
+    assert run_plan(survival, table) == [0]
+
+
+def test_ties_are_broken_by_slot_then_row():
+    # One admission improves, the second does not: the tie goes to row 0.
+    table = CostTable([2, 3, 4], [1.0, 1.1, 1.5])
+    assert run_plan([[0.5, 0.5], [0.5, 0.5]], table) == [1, 0]
+    # Equal survivals within a row: slot j is always admitted before slot j+1 (a prefix).
+    table = CostTable([2, 3, 4, 5], [1.0, 1.1, 1.15, 5.0])
+    assert run_plan([[0.6, 0.6], [0.6, 0.6]], table) == [1, 1]
+
+
+def test_matches_literal_algorithm_on_random_survivals():
+    gen = torch.Generator().manual_seed(0)
+    table = CostTable([1, 4, 16, 64], [1.0, 1.05, 1.6, 6.0])
+    seen = set()
+    for _ in range(200):
+        r, g = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 8, (1,), generator=gen))
+        survival = torch.rand(r, g, generator=gen, dtype=torch.float64).cumprod(1)
+        lens = plan(survival, table).tolist()
+        assert lens == reference_plan(survival.tolist(), table)
+        seen.update(lens)
+    assert len(seen) >= 4  # the table produces a spread of lengths, 0 included
+    assert 0 in seen
+
+
+def test_plan_output_device_and_dtype():
+    lens = plan(torch.full((3, 4), 0.9), CostTable([1], [1.0]))
+    assert lens.dtype == torch.long and lens.tolist() == [4, 4, 4]
+    assert plan(torch.zeros(2, 0), CostTable([1], [1.0])).tolist() == [0, 0]
+
+
+# -- cost table ----------------------------------------------------------------------
+
+def test_interpolation_and_extrapolation():
+    table = CostTable([2, 4, 8], [1.0, 2.0, 3.0])
+    n = torch.tensor([1, 2, 3, 4, 6, 8, 12])
+    assert table.time(n).tolist() == pytest.approx([1.0, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0])
+    assert float(table.sps(4)) == pytest.approx(0.5)
+    falling = CostTable([1, 2], [2.0, 1.0])  # noisy tail: never extrapolated downwards
+    assert float(falling.time(10)) == pytest.approx(1.0)
+    assert CostTable([5], [0.25]).time(torch.tensor([1, 50])).tolist() == [0.25, 0.25]
+
+
+def test_json_round_trip(tmp_path):
+    table = CostTable([1, 8, 64], [0.01, 0.012, 0.05], model="m", dtype="float32", machine="box",
+                      meta={"rows": 8})
+    path = tmp_path / "cost.json"
+    table.save(path)
+    assert CostTable.load(path) == table
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("time_s"), "missing required key 'time_s'"),
+    (lambda d: d.update(format="other"), "not a blockspec cost table"),
+    (lambda d: d.update(version=9), "unsupported version"),
+    (lambda d: d.update(n=[1, 1, 2]), "strictly increasing"),
+    (lambda d: d.update(time_s=[0.1, -1.0, 0.2]), "positive finite"),
+    (lambda d: d.update(time_s=[0.1]), "entries"),
+    (lambda d: d.update(n=[1, 2.5, 3]), "positive integer"),
+    (lambda d: d.update(model=3), "'model' must be a string"),
+])
+def test_bad_files_are_refused(tmp_path, edit, message):
+    raw = CostTable([1, 2, 3], [0.1, 0.2, 0.3], model="m", dtype="float32", machine="x").to_dict()
+    edit(raw)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(BlockspecError, match=message):
+        CostTable.load(path)
+
+
+def test_unreadable_files_are_refused(tmp_path):
+    with pytest.raises(BlockspecError, match="does not exist"):
+        CostTable.load(tmp_path / "missing.json")
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(BlockspecError, match="not valid JSON"):
+        CostTable.load(tmp_path / "x.json")
+
+
+def test_profile_measures_packed_verify_and_checks_target(tmp_path):
+    target = make_target(dtype=torch.float64)
+    table = profile_cost_table(target, [8, 1, 4], repeats=2, rows=4, context=16, warmup=1)
+    assert table.ns == [1, 4, 8] and all(t > 0 for t in table.times_s)
+    assert table.model == model_signature(target) and table.dtype == "float64" and table.machine
+    table.check_target(target)
+    path = tmp_path / "t.json"
+    table.save(path)
+    assert CostTable.load(path).ns == [1, 4, 8]
+    with pytest.raises(BlockspecError, match="measured in float64"):
+        table.check_target(make_target(dtype=torch.float32))
+    with pytest.raises(BlockspecError, match="measured for"):
+        table.check_target(make_target(dtype=torch.float64, layers=2))

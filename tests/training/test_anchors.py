@@ -1,0 +1,64 @@
+"""The packed training forward equals the inference-time draft forward (the mask is exact)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.training.anchors import pack_blocks, sample_anchors
+from conftest import make_draft, make_target
+
+
+@pytest.mark.parametrize("layout, block", [("zlab", 4), ("deepspec", 3), ("zlab", 8)])
+def test_packed_forward_equals_inference_forward(layout, block):
+    target = make_target(dtype=torch.float64)
+    draft = make_draft(target, layout, block, dtype=torch.float64)
+    cfg = draft.config
+    ids = torch.randint(0, 60, (2, 30))
+    loss_mask = torch.zeros(2, 30, dtype=torch.bool)
+    loss_mask[0, 8:] = True
+    loss_mask[1, 5:25] = True
+    with torch.no_grad():
+        feats = target(ids, capture=tuple(cfg.target_layer_ids)).features
+        anchors, valid = sample_anchors(loss_mask, cfg.num_drafts, 6, torch.Generator().manual_seed(0))
+        packed = pack_blocks(ids, anchors, valid, cfg.block_size, cfg.mask_token_id)
+        hidden = draft(feats, packed.block_ids, packed.positions, packed.mask, target.embed_tokens)
+        hidden = hidden.view(2, anchors.shape[1], cfg.block_size, -1)
+        checked = 0
+        for r in range(2):
+            for i in range(anchors.shape[1]):
+                if not valid[r, i]:
+                    continue
+                a = int(anchors[r, i])
+                cache = draft.new_cache(1, 64)
+                if a > 0:
+                    draft.append_context(cache, feats[r:r + 1, :a], a)
+                block = torch.full((1, cfg.block_size), cfg.mask_token_id)
+                block[0, 0] = ids[r, a]
+                ref = draft.block_hidden(block, cache, target.embed_tokens)[0]
+                assert torch.allclose(hidden[r, i], ref, atol=1e-10)
+                checked += 1
+    assert checked >= 8
+
+
+def test_anchor_sampling_respects_response_window():
+    mask = torch.zeros(3, 20, dtype=torch.bool)
+    mask[0, 5:] = True
+    mask[1, 2:9] = True      # only a short response
+    anchors, valid = sample_anchors(mask, 4, 50, torch.Generator().manual_seed(1))
+    for r in range(3):
+        for a, ok in zip(anchors[r].tolist(), valid[r].tolist()):
+            if ok:
+                assert mask[r, a + 1:a + 5].all() and a + 4 < 20
+    assert valid[0].sum() == 20 - 4 - 4   # anchors 4..15
+    assert valid[1].sum() == 4   # anchors 1..4
+    assert valid[2].sum() == 0
+
+
+def test_fused_context_kv_equals_per_layer():
+    target = make_target(dtype=torch.float64)
+    draft = make_draft(target, "zlab", 4, layers=3, dtype=torch.float64)
+    feats = torch.randn(2, 7, len(draft.config.target_layer_ids) * 32, dtype=torch.float64)
+    pos = torch.arange(7).expand(2, 7)
+    for (k1, v1), (k2, v2) in zip(draft.context_kv(feats, pos, fused=True), draft.context_kv(feats, pos, fused=False)):
+        assert torch.allclose(k1, k2, atol=1e-12) and torch.allclose(v1, v2, atol=1e-12)
