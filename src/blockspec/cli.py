@@ -142,6 +142,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(json.dumps({k: v for k, v in result.items() if k != "param_checksum"}))
 
 
+def cmd_convert(args: argparse.Namespace) -> None:
+    """Load a draft in any supported format and save it (dtype change / normalised names)."""
+    from blockspec.models.checkpoint import load_draft, load_target, save_draft
+
+    target = load_target(args.target) if args.target else None
+    draft = load_draft(args.draft, target=target)
+    save_draft(draft, Path(args.out), dtype=args.dtype)
+    print(json.dumps({"out": args.out, "layout": draft.config.layout, "block_size": draft.config.block_size,
+                      "dtype": args.dtype}))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockspec", description="Block speculative decoding (DFlash / DSpark).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
     p.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("convert", help="re-save a DFlash / DSpark draft (checks it, normalises names, casts dtype)")
+    p.add_argument("--draft", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--target", default=None, help="check the draft against this target")
+    p.add_argument("--dtype", default="bfloat16")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("corpus", help="build the offline Python code corpus (+ BPE tokenizer)")
     p.add_argument("--out", default="runs/corpus")
@@ -207,5 +225,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # also `torchrun ... -m blockspec.cli train ...`
     sys.exit(main())

@@ -337,7 +337,10 @@ class DraftConfig:
                  "rope_parameters", "max_position_embeddings", "vocab_size", "markov_rank",
                  "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
                  "confidence_temperatures", "blockspec_layout", "mask_token_id", "target_layer_ids",
-                 "torch_dtype", "dtype"}
+                 "torch_dtype", "dtype", "layer_types", "sliding_window", "tie_word_embeddings", "hidden_act",
+                 "attention_bias"}
+        _require(raw.get("hidden_act", "silu") == "silu", f"{where}: only silu draft MLPs are supported")
+        _require(not raw.get("attention_bias", False), f"{where}: draft attention biases are not supported")
         return cls(
             layout=layout, block_size=block, mask_token_id=mask_id, target_layer_ids=list(layer_ids),
             num_target_layers=raw.get("num_target_layers", max(layer_ids) + 1),

@@ -51,16 +51,16 @@ def requests(target64):
     return out
 
 
-def build(target, config: str, block_size: int = 4, max_running: int = 3, **kw) -> Engine:
+def build(target, config: str, block_size: int = 4, max_running: int = 3, max_model_len: int = 64,
+          **kw) -> Engine:
+    kw.update(max_running=max_running, max_model_len=max_model_len)
     if config == "ar":
-        return Engine(target, method="ar", max_running=max_running, max_model_len=64, **kw)
+        return Engine(target, method="ar", **kw)
     if config == "dflash":
-        return Engine(target, make_draft(target, "zlab", block_size), "dflash", max_running=max_running,
-                      max_model_len=64, **kw)
+        return Engine(target, make_draft(target, "zlab", block_size), "dflash", **kw)
     draft = make_draft(target, "deepspec", block_size, markov_rank=4, markov_type="gated", confidence=True)
     table = SCHED_TABLE if config == "dspark-scheduled" else None
-    return Engine(target, draft, "dspark", scheduled=table is not None, cost_table=table,
-                  max_running=max_running, max_model_len=64, **kw)
+    return Engine(target, draft, "dspark", scheduled=table is not None, cost_table=table, **kw)
 
 
 def count_calls(monkeypatch, obj, name: str) -> list[int]:
@@ -293,17 +293,23 @@ def test_too_big_request_is_rejected_and_others_continue(target64, requests):
     with pytest.raises(BlockspecError, match="max_model_len=64"):
         engine.submit([1] * 60, SamplingParams(max_new_tokens=10))
     with pytest.raises(BlockspecError, match="empty"):
-        engine.submit([], SamplingParams())
+        engine.submit([], SamplingParams(max_new_tokens=4))
     with pytest.raises(BlockspecError, match="token ids"):
-        engine.submit([64], SamplingParams())
+        engine.submit([64], SamplingParams(max_new_tokens=4))
     with pytest.raises(BlockspecError, match="tokenizer"):
-        engine.submit([1], SamplingParams(stop=["x"]))
+        engine.submit([1], SamplingParams(max_new_tokens=4, stop=["x"]))
     second = engine.submit(requests[1][0], requests[1][1])
     engine.run_until_done()
     assert first.result().tokens == requests[0][2].tokens
     assert second.result().tokens == requests[1][2].tokens
+    def bad_callback(out):
+        raise ValueError("client bug")
+
+    third = engine.submit(requests[4][0], requests[4][1], on_output=bad_callback)
+    engine.run_until_done()
+    assert third.result().tokens == requests[4][2].tokens and isinstance(third.error, ValueError)
     m = engine.metrics()
-    assert (m["rejected"], m["finished"], m["kv_bytes_in_use"]) == (4, 2, 0)
+    assert (m["rejected"], m["finished"], m["kv_bytes_in_use"]) == (4, 3, 0)
     # Beyond the model itself: max_model_len defaults to max_position_embeddings (256).
     with pytest.raises(BlockspecError, match="max_model_len=256"):
         Engine(target64, max_running=1).submit([1] * 250, SamplingParams(max_new_tokens=10))
@@ -370,14 +376,19 @@ def test_stop_strings_cut_text_and_tokens(target64, requests):
 # -- background thread ------------------------------------------------------------------
 
 def test_background_thread_streams_cancels_and_drains(target64, requests):
-    engine = build(target64, "dspark-scheduled", max_running=2)
+    engine = build(target64, "dspark-scheduled", max_running=2, max_model_len=256)
     engine.start()
+    long = SamplingParams(max_new_tokens=240, ignore_eos=True)
+    h_cancel = engine.submit(PROMPTS[5], long)       # cancelled from this thread once it streams
+    first = next(iter(h_cancel))
+    engine.cancel(h_cancel.request_id)
+    # ... and one cancelled from its own callback (on the engine thread, mid-step).
+    h_self = engine.submit(PROMPTS[6], long, request_id="self", on_output=lambda o: engine.cancel("self"))
     callback_tokens: list[int] = []
     h_iter = engine.submit(requests[0][0], requests[0][1])
     h_cb = engine.submit(requests[1][0], requests[1][1], on_output=lambda o: callback_tokens.extend(o.token_ids))
     h_async = engine.submit(requests[2][0], requests[2][1])
     h_await = engine.submit(requests[4][0], requests[4][1])
-    h_cancel = engine.submit(PROMPTS[5], SamplingParams(max_new_tokens=60, ignore_eos=True))
 
     streamed = [t for out in h_iter for t in out.token_ids]
 
@@ -386,15 +397,16 @@ def test_background_thread_streams_cancels_and_drains(target64, requests):
         return got, await h_await
 
     async_tokens, awaited = asyncio.run(asyncio.wait_for(consume(), timeout=60))
-    for out in h_cancel:  # cancel once it is running and streaming
-        if out.token_ids:
-            engine.cancel(h_cancel.request_id)
     engine.shutdown(drain=True, timeout=60)
     assert streamed == h_iter.result().tokens == requests[0][2].tokens
     assert callback_tokens == h_cb.result(timeout=1).tokens == requests[1][2].tokens
     assert async_tokens == requests[2][2].tokens and awaited.tokens == requests[4][2].tokens
-    assert h_cancel.result().finish_reason == "cancelled" and len(h_cancel.result().tokens) < 60
-    assert engine.metrics()["kv_bytes_in_use"] == 0
+    assert first.token_ids and not first.finished
+    for h in (h_cancel, h_self):
+        assert h.result().finish_reason == "cancelled" and len(h.result().tokens) < 240
+    assert not engine.cancel(h_iter.request_id)  # finished: nothing to cancel
+    m = engine.metrics()
+    assert (m["kv_bytes_in_use"], m["cancelled"], m["finished"]) == (0, 2, 4)
     with pytest.raises(BlockspecError, match="shut down"):
         engine.submit([1], SamplingParams())
 
@@ -410,3 +422,18 @@ def test_shutdown_without_drain_cancels_everything(target64):
     m = engine.metrics()
     assert (m["kv_bytes_in_use"], m["running"], m["waiting"]) == (0, 0, 0)
     assert not math.isnan(m["tau"])
+
+
+def test_failed_step_fails_every_request_in_background(target64, monkeypatch):
+    engine = build(target64, "dflash", max_running=1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine_module, "verify_packed", broken)
+    engine.start()
+    handles = [engine.submit(p, SamplingParams(max_new_tokens=5)) for p in PROMPTS[:3]]
+    results = [h.result(timeout=30) for h in handles]
+    assert {r.finish_reason for r in results} == {"error"}
+    assert isinstance(engine.failure, RuntimeError) and handles[0].error is engine.failure
+    engine.shutdown(timeout=30)

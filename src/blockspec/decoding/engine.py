@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -39,6 +40,8 @@ from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
+log = logging.getLogger(__name__)
+
 
 class Detokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
@@ -58,12 +61,15 @@ def verify_packed(target: TargetModel, cache: KVCache, anchors: torch.Tensor, pr
         v = target.config.vocab_size
         proposal = Proposal(anchors.new_zeros(r, 0), torch.zeros(r, 0, v, device=anchors.device), None)
         num_drafts = torch.zeros_like(anchors)
-    g = proposal.tokens.shape[1]
+    # Verify up to the widest row only (the full window unless scheduled). Rows keep
+    # their own generators, so full-window rounds draw the same uniforms as generate().
+    g = int(num_drafts.max()) if r else 0
+    proposal = Proposal(proposal.tokens[:, :g], proposal.probs[:, :g], None)
     seq = torch.cat([anchors.unsqueeze(1), proposal.tokens], dim=1)        # [R, g+1]
     valid = torch.arange(g + 1, device=seq.device).unsqueeze(0) <= num_drafts.unsqueeze(1)
     capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
     out = target.forward_packed(seq[valid], num_drafts + 1, cache, capture=capture)
-    # verify() takes the full window; unverified rows are zeros (never read: not proposed).
+    # Back to [R, g+1]; slots past a row's own count stay zero (not proposed: never read).
     logits = out.logits.new_zeros(r, g + 1, out.logits.shape[-1])
     logits[valid] = out.logits[0]
     verdict = verify(logits, proposal.tokens, proposal.probs, sampler, num_drafts, rule)
@@ -187,7 +193,11 @@ class RequestHandle:
             else:
                 self._deltas.put(out)
         if self._on_output is not None:
-            self._on_output(out)
+            try:
+                self._on_output(out)
+            except Exception as exc:  # a client's callback must not take the engine down
+                self.error = exc
+                log.exception("on_output callback of request %s failed", self.request_id)
         if completion is not None:
             self._future.set_result(completion)
 
@@ -244,6 +254,8 @@ class Engine:
                  max_model_len: int | None = None, cost_table: CostTable | None = None,
                  rule: str = "rejection", tokenizer: Detokenizer | None = None) -> None:
         check_method(method, draft)
+        if draft is not None and method != "ar":
+            draft.config.check_target(target.config)
         self._check_scheduling(method, draft, scheduled, cost_table, target)
         if rule not in ("rejection", "match"):
             raise BlockspecError(f"unknown verification rule {rule!r} (choose rejection or match)")
@@ -266,7 +278,7 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []    # index == cache row
         self._cancel: set[str] = set()
-        self._ids: set[str] = set()
+        self._live: dict[str, Request] = {}   # submitted, not yet retired
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -276,7 +288,8 @@ class Engine:
         self._stats: Counter = Counter()
         self._accepted_hist: Counter = Counter()
         self._verified_hist: Counter = Counter()
-        self._times: Counter = Counter()
+        # Keys fixed up front: metrics() may copy it while the engine thread adds to it.
+        self._times = {"prefill": 0.0, "draft": 0.0, "plan": 0.0, "verify": 0.0}
 
     # -- construction helpers ------------------------------------------------------
     @staticmethod
@@ -327,20 +340,22 @@ class Engine:
                on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
         """Queue a request. Raises BlockspecError (and queues nothing) if it can never run."""
         params = params or SamplingParams()
+        if self._closed:
+            raise BlockspecError("the engine is shut down; no new requests")
         prompt = self._check_request(prompt_ids, params)
         with self._lock:
             if self._closed:
                 raise BlockspecError("the engine is shut down; no new requests")
             rid = request_id if request_id is not None else f"req-{next(self._counter)}"
-            if rid in self._ids:
+            if rid in self._live:
                 self._stats["rejected"] += 1
                 raise BlockspecError(f"request id {rid!r} is already in use")
-            self._ids.add(rid)
             gen = RowSampler.from_params([params]).generators[0]
             text = TextTracker(self.tokenizer, params.stop) if self.tokenizer is not None else None
             req = Request(rid, prompt, params, RowState(params, self.target.config.eos_token_id),
                           RequestHandle(rid, on_output), gen, text)
             self._waiting.append(req)
+            self._live[rid] = req
             self._stats["submitted"] += 1
         self._wake.set()
         return req.handle
@@ -348,7 +363,8 @@ class Engine:
     def cancel(self, request_id: str) -> bool:
         """Cancel a waiting or running request (from any thread); its slot is freed. False if unknown/finished."""
         with self._lock:
-            if request_id not in self._ids:
+            req = self._live.get(request_id)
+            if req is None or req.handle.done:
                 return False
             self._cancel.add(request_id)
         if self._step_lock.acquire(blocking=False):  # not mid-step: free it now
@@ -369,8 +385,6 @@ class Engine:
         """One engine step: cancellations, admission (batched prefill), one round for
         every running request, retirement. Returns whether work remains."""
         with self._step_lock, torch.inference_mode():
-            with self._lock:
-                self._stats["steps"] += 1
             self._apply_cancels()
             self._admit()
             self._retire()
@@ -436,7 +450,7 @@ class Engine:
                 "submitted": s["submitted"], "finished": s["finished"], "cancelled": s["cancelled"],
                 "rejected": s["rejected"], "failed": s["failed"],
                 "prompt_tokens": s["prompt_tokens"], "generated_tokens": s["generated_tokens"],
-                "steps": s["steps"], "rounds": s["rounds"], "request_rounds": rounds,
+                "prefill_batches": s["prefill_batches"], "rounds": s["rounds"], "request_rounds": rounds,
                 "verified_tokens": s["verified_tokens"], "drafts_verified": s["drafts_verified"],
                 "drafts_accepted": s["drafts_accepted"],
                 "tau": (s["drafts_accepted"] + rounds) / rounds if rounds else 0.0,
@@ -449,9 +463,12 @@ class Engine:
     def _loop(self) -> None:
         try:
             while True:
-                if self._stopping and (not self._drain or not self.has_work) and not self._cancel:
+                work = self.has_work
+                if self._stopping and not (self._drain and work) and not self._cancel:
                     return
-                if not self.step():
+                if work:
+                    self.step()
+                else:  # idle: sleep until submit / cancel / shutdown wakes us
                     self._wake.wait(0.05)
                     self._wake.clear()
         except BaseException as exc:  # a failed step fails every request, never hangs a client
@@ -491,6 +508,7 @@ class Engine:
             self._emit(req, [tok])
         with self._lock:
             self._stats["prompt_tokens"] += sum(len(r.prompt) for r in new)
+            self._stats["prefill_batches"] += 1
         self._times["prefill"] += time.perf_counter() - t0
 
     def _round(self) -> None:
@@ -571,24 +589,31 @@ class Engine:
         req.handle._publish(RequestOutput(req.id, [], None, True, reason), self._completion(req))
         with self._lock:
             self._stats["cancelled" if reason == "cancelled" else "failed"] += 1
-            self._ids.discard(req.id)
+            self._live.pop(req.id, None)
 
     def _retire(self) -> None:
-        """Free the slots of finished / cancelled requests, keeping live rows contiguous."""
-        for row in range(len(self._running) - 1, -1, -1):
+        """Free the slots of finished / cancelled requests, keeping live rows contiguous:
+        the last live rows move into the holes (only their valid slots are copied)."""
+        done = [row for row, req in enumerate(self._running) if req.state.finish_reason is not None]
+        if not done:
+            return
+        for row in done:
             req = self._running[row]
-            if req.state.finish_reason is None:
-                continue
             if req.state.finish_reason == "cancelled" and not req.handle.done:
                 self._finish(req, "cancelled")
-            last = len(self._running) - 1
-            self._cache.move_row(last, row)
-            if self._draft_cache is not None:
-                self._draft_cache.move_row(last, row)
-            with self._lock:
-                self._running[row] = self._running[last]
-                self._running.pop()
-                self._ids.discard(req.id)
+        live = len(self._running) - len(done)
+        holes = [row for row in done if row < live]
+        finished = set(done)
+        movers = [row for row in range(live, len(self._running)) if row not in finished]
+        self._cache.move_rows(movers, holes)
+        if self._draft_cache is not None:
+            self._draft_cache.move_rows(movers, holes)
+        with self._lock:
+            for row in done:
+                self._live.pop(self._running[row].id, None)
+            for src, dst in zip(movers, holes):
+                self._running[dst] = self._running[src]
+            del self._running[live:]
 
     def _views(self, start: int, stop: int) -> tuple[KVCache, KVCache | None]:
         draft_view = self._draft_cache.slice_rows(start, stop) if self._draft_cache is not None else None

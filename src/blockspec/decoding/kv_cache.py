@@ -89,11 +89,6 @@ class KVCache:
         self.lengths.zero_()
 
     # -- slot-pool operations (continuous batching, decoding/engine.py) ------------
-    @property
-    def row_nbytes(self) -> int:
-        """Bytes of K and V held by one row (one request's slot)."""
-        return self.nbytes // max(1, self.rows)
-
     def slice_rows(self, start: int, stop: int) -> "KVCache":
         """A cache over rows start..stop-1 that shares storage (and lengths) with this one.
 
@@ -105,16 +100,20 @@ class KVCache:
         view.capacity = self.capacity
         return view
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Copy row `src` (its valid slots only) into row `dst` and empty `src`.
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        """Copy rows src[i] -> dst[i] (valid slots only) and empty the sources.
 
-        Keeps a pool's live rows contiguous when a request leaves: O(row length)."""
-        n = int(self.lengths[src])
-        if src != dst:
-            self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-            self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-            self.lengths[dst] = n
-        self.lengths[src] = 0
+        Keeps a pool's live rows contiguous when requests leave: one copy of at most
+        max(source length) slots per moved row; src and dst must be disjoint."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.lengths.device)
+        d = torch.tensor(dst, device=self.lengths.device)
+        n = int(self.lengths[s].max())
+        self.k[:, d, :, :n] = self.k[:, s, :, :n]
+        self.v[:, d, :, :n] = self.v[:, s, :, :n]
+        self.lengths[d] = self.lengths[s]
+        self.lengths[s] = 0
 
     def check_room_rows(self, counts: torch.Tensor) -> None:
         """Raise if appending counts[r] slots to any row r would overflow it."""
