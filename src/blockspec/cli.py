@@ -153,6 +153,20 @@ def cmd_convert(args: argparse.Namespace) -> None:
                       "dtype": args.dtype}))
 
 
+def cmd_profile(args: argparse.Namespace) -> None:
+    """Measure the verify cost table T(n) that DSpark's scheduler plans with."""
+    from blockspec import embedded
+    from blockspec.decoding.scheduler import profile_cost_table
+    from blockspec.models.checkpoint import load_target
+
+    target = load_target(Path(args.target) if args.target else embedded.default_target(), dtype=args.dtype)
+    ns = [int(x) for x in args.tokens.split(",")] if args.tokens else list(range(1, args.max_tokens + 1))
+    table = profile_cost_table(target, ns, repeats=args.repeats, rows=args.rows, context=args.context)
+    table.save(Path(args.out))
+    print(json.dumps({"out": args.out, "points": len(table.ns),
+                      "ms": {n: round(t * 1e3, 3) for n, t in zip(table.ns, table.times_s)}}))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockspec", description="Block speculative decoding (DFlash / DSpark).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,6 +191,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="check the draft against this target")
     p.add_argument("--dtype", default="bfloat16")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("profile", help="measure the verify cost table T(n) for DSpark scheduling")
+    p.add_argument("--target", default=None)
+    p.add_argument("--out", default="cost_table.json")
+    p.add_argument("--max-tokens", type=int, default=256, help="profile n = 1..max-tokens")
+    p.add_argument("--tokens", default=None, help="explicit comma-separated n values instead")
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", default="float32")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("corpus", help="build the offline Python code corpus (+ BPE tokenizer)")
     p.add_argument("--out", default="runs/corpus")

@@ -127,3 +127,11 @@ def test_bad_inputs(target64):
     for bad in (dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)):
         with pytest.raises(BlockspecError):
             SamplingParams(**bad)
+
+
+def test_ar_sampling_is_seeded_and_batch_independent(target64):
+    sp = SamplingParams(temperature=0.9, top_k=10, seed=7, max_new_tokens=10, ignore_eos=True)
+    alone = generate(target64, [PROMPTS[0]], sp).completions[0].tokens
+    other = SamplingParams(temperature=1.0, seed=1, max_new_tokens=5, ignore_eos=True)
+    mixed = generate(target64, [PROMPTS[1], PROMPTS[0]], [other, sp]).completions[1].tokens
+    assert alone == mixed and len(alone) == 10

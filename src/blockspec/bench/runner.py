@@ -101,19 +101,24 @@ class LoopResult:
     confidences: list[list[float]]   # per round, c_k of the proposal (empty without a confidence head)
 
 
-def accept_pattern(tau: float, num_drafts: int) -> Iterator[int]:
-    """Accepted-draft counts per round whose running mean is exactly ``tau - 1``.
+def accept_pattern(tau: float, num_drafts: int, start: int = 0) -> Iterator[int]:
+    """Accepted-draft counts for rounds start, start+1, ... of a sequence whose running
+    mean is ``tau - 1`` (any n consecutive rounds sum to within 1 of n * (tau - 1)).
 
     Deterministic (Bresenham-style: every value is floor or ceil of tau-1), so a
-    simulated run's tau does not depend on luck, even over a handful of rounds."""
-    if not isinstance(tau, (int, float)) or not 1.0 <= tau <= num_drafts + 1:
+    simulated run's tau does not depend on luck, even over a handful of rounds.
+    Raises at once (not at the first round) when the window cannot reach tau."""
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 1.0 <= tau <= num_drafts + 1:
         raise BlockspecError(f"simulated tau must be in [1, {num_drafts + 1}] for a {num_drafts}-draft "
                              f"window (tau counts the bonus token), got {tau!r}")
     mean = float(tau) - 1.0
-    k = 0
-    while True:
-        yield min(num_drafts, math.floor((k + 1) * mean + 1e-9) - math.floor(k * mean + 1e-9))
-        k += 1
+
+    def pattern() -> Iterator[int]:
+        k = start
+        while True:
+            yield math.floor((k + 1) * mean + 1e-9) - math.floor(k * mean + 1e-9)
+            k += 1
+    return pattern()
 
 
 def forced_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor, proposal: Proposal,
@@ -244,11 +249,21 @@ def _generate_runner(target: TargetModel, draft: DraftModel | None, method: str,
 
 def _simulated_runner(target: TargetModel, draft: DraftModel, tau: float, rule: str) -> Runner:
     """Real draft and verify forwards, imposed acceptance (not lossless)."""
-    accept_pattern(tau, draft.config.num_drafts)  # validate now, not mid-benchmark
+    g = draft.config.num_drafts
+    accept_pattern(tau, g)  # raises now, not mid-benchmark
+    # One pattern runs on across requests (a request's few rounds alone would round tau);
+    # a repeat of a request restarts where that request first started, so repeats match.
+    starts: dict[tuple[Any, ...], int] = {}
+    consumed = 0
 
     def run(ids: list[int], params: SamplingParams) -> RunRecord:
-        loop = speculative_loop(target, draft, ids, params, accept=accept_pattern(tau, draft.config.num_drafts),
-                                rule=rule)
+        nonlocal consumed
+        key = (tuple(ids), params.temperature, params.seed, params.max_new_tokens)
+        first = key not in starts
+        start = starts.setdefault(key, consumed)
+        loop = speculative_loop(target, draft, ids, params, accept=accept_pattern(tau, g, start), rule=rule)
+        if first:
+            consumed += loop.stats.rounds
         return RunRecord(len(loop.tokens), 0.0, loop.stats, loop.timing)
     return run
 
@@ -371,7 +386,9 @@ def _draft_variants(draft: DraftModel, block_sizes: list[int] | None, method: st
 def build_arms(setup: BenchSetup, notes: list[str]) -> list[Arm]:
     """One arm per (method, block size); dspark and dspark-scheduled share their draft copies."""
     target = setup.target
-    arms = [Arm("ar", _generate_runner(target, None, "ar", setup.rule))]
+    # With zero drafts both rules reduce to sampling the target; "match" is used for AR
+    # because generate's rejection path insists on draft probabilities even when g == 0.
+    arms = [Arm("ar", _generate_runner(target, None, "ar", "match"))]
     variants = {key: _draft_variants(d, setup.block_sizes, key, notes) for key, d in setup.drafts.items()}
     for method in setup.methods:
         if method == "ar":
@@ -384,10 +401,15 @@ def build_arms(setup: BenchSetup, notes: list[str]) -> list[Arm]:
             arms.extend(_scheduled_arms(setup, drafts, notes))
             continue
         for d in drafts:
-            if setup.simulate_accept is not None:
-                arms.append(Arm(method, _simulated_runner(target, d, setup.simulate_accept, setup.rule), d, True))
-            else:
+            if setup.simulate_accept is None:
                 arms.append(Arm(method, _generate_runner(target, d, method, setup.rule), d))
+                continue
+            try:
+                arms.append(Arm(method, _simulated_runner(target, d, setup.simulate_accept, setup.rule), d, True))
+            except BlockspecError as exc:
+                if setup.block_sizes is None or len(drafts) == 1:
+                    raise
+                notes.append(f"{method} B={d.config.block_size} skipped: {exc}")
     return arms
 
 
@@ -760,9 +782,7 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
                 for arm in calibrated:
                     cal = collect_calibration(target, arm.draft, prompt_ids, params, rule,
                                               tick=lambda: tick(f"calibration {arm.label}"))
-                    for row, a in zip(group_rows, arms):
-                        if a.draft is arm.draft:
-                            row["calibration"] = cal
+                    group_rows[arms.index(arm)]["calibration"] = cal
                 rows += group_rows
                 plot_files += _group_plots(group_rows, setup.block_sizes, out, f"{_slug(name)}_t{temp:g}")
     concurrency_result = None

@@ -142,6 +142,9 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
         return Verdict(accepted, choice.gather(1, accepted.unsqueeze(1)).squeeze(1))
 
     p = warp(target_logits, sampler)  # [R, g+1, V]
+    if g == 0:  # plain AR step: nothing to accept, sample from P_0
+        u = sampler.uniform((1,), device)
+        return Verdict(torch.zeros(r, dtype=torch.long, device=device), sample_from(p[:, 0], u[:, 0]))
     if rule == "match":
         u = sampler.uniform((g + 1,), device)
         target_tokens = sample_from(p, u)  # independent target samples t_1..t_{g+1}
@@ -161,7 +164,7 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
     rows = torch.arange(r, device=device)
     p_a = p[rows, accepted]
     rejected = accepted < num_drafts
-    q_a = draft_probs[rows, accepted.clamp(max=g - 1)].float() if g > 0 else torch.zeros_like(p_a)
+    q_a = draft_probs[rows, accepted.clamp(max=g - 1)].float()
     residual = (p_a - q_a).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     use_residual = rejected.unsqueeze(1) & (mass > 0)

@@ -1,0 +1,84 @@
+"""Cost of one speculative round on the embedded target at batch 1: one draft
+forward (+ sampling), one verify forward over the window, one AR step — measured
+in the same run, interleaved, medians over repeats. Block layout: z-lab (block B
+includes the anchor, window B).
+
+    python benchmarks/round_cost.py [--target DIR] [--draft DIR] [--context 256] [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from blockspec import embedded, load_draft, load_target
+from blockspec.config import DraftConfig, SamplingParams
+from blockspec.decoding.sampling import RowSampler
+from blockspec.decoding.speculate import prefill, propose, verify_and_commit
+from blockspec.models.draft import DraftModel
+
+
+def build_draft(target, path: str | None, block: int) -> DraftModel:
+    if path:
+        draft = load_draft(path, target=target)
+        draft.set_block_size(block)
+        return draft
+    tc = target.config  # weights do not change the timing: a random draft of the shipped shape
+    cfg = DraftConfig(layout="zlab", block_size=block, mask_token_id=2, target_layer_ids=[1, 4, 6],
+                      num_target_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size,
+                      intermediate_size=tc.intermediate_size, num_hidden_layers=1,
+                      num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+                      head_dim=tc.head_dim, vocab_size=tc.vocab_size)
+    return DraftModel(cfg).eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def measure(target, draft, context: int, repeats: int) -> dict[str, float]:
+    sampler = RowSampler.from_params([SamplingParams()])
+    prompt = torch.randint(5, target.config.vocab_size, (context,)).tolist()
+    cap = context + 64
+    cache, dcache = target.new_cache(1, cap), draft.new_cache(1, cap + 32)
+    anchors = prefill(target, cache, [prompt], sampler, draft, dcache)
+    t_draft, t_verify, t_ar = [], [], []
+    for _ in range(repeats):
+        start_t, start_d = cache.lengths.clone(), dcache.lengths.clone()
+        t0 = time.perf_counter()
+        proposal = propose(draft, target, dcache, anchors, sampler)
+        t1 = time.perf_counter()
+        verify_and_commit(target, cache, anchors, proposal, sampler, draft, dcache)
+        t2 = time.perf_counter()
+        cache.truncate(start_t)
+        dcache.truncate(start_d)
+        target(anchors.unsqueeze(1), cache)       # one AR step at the same context length
+        t3 = time.perf_counter()
+        cache.truncate(start_t)
+        t_draft.append(t1 - t0)
+        t_verify.append(t2 - t1)
+        t_ar.append(t3 - t2)
+    med = statistics.median
+    return {"draft_ms": med(t_draft) * 1e3, "verify_ms": med(t_verify) * 1e3, "ar_ms": med(t_ar) * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--draft", default=None, help="a trained z-lab draft (default: random of the shipped shape)")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    target = load_target(args.target or embedded.default_target())
+    print(f"batch 1, context {args.context} tokens, {torch.get_num_threads()} threads, medians of {args.repeats}")
+    print("| block | T_draft ms | T_verify ms | T_ar ms | (T_draft+T_verify)/T_ar |")
+    print("|---|---|---|---|---|")
+    for block in (4, 8, 16):
+        r = measure(target, build_draft(target, args.draft, block), args.context, args.repeats)
+        ratio = (r["draft_ms"] + r["verify_ms"]) / r["ar_ms"]
+        print(f"| {block} | {r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['ar_ms']:.2f} | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
