@@ -167,6 +167,30 @@ def cmd_profile(args: argparse.Namespace) -> None:
                       "ms": {n: round(t * 1e3, 3) for n, t in zip(table.ns, table.times_s)}}))
 
 
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    """Fit per-slot confidence temperatures (STS) on held-out rollouts; report before / after."""
+    from blockspec import embedded
+    from blockspec.config import SamplingParams
+    from blockspec.models.checkpoint import load_draft, load_target
+    from blockspec.models.tokenizer import Tokenizer
+    from blockspec.training.calibrate import collect_rollouts, fit_sts, save_temperatures
+    from blockspec.training.data import load_prompts
+
+    target_dir = Path(args.target) if args.target else embedded.default_target()
+    target = load_target(target_dir)
+    draft = load_draft(args.draft, target=target)
+    prompts = load_prompts(args.prompts, Tokenizer(target_dir), args.num_prompts, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    half = len(prompts) // 2  # fit on one half, report on the other
+    fit, held = collect_rollouts(target, draft, prompts[:half], params), collect_rollouts(target, draft, prompts[half:], params)
+    temps = fit_sts(fit)
+    summary = {k: {m: v[m] for m in ("ece", "brier", "auroc", "n")}
+               for k, v in (("before", held.prefix_calibration()), ("after", held.prefix_calibration(temps)))}
+    if not args.dry_run:
+        save_temperatures(Path(args.draft), temps)
+    print(json.dumps({"temperatures": temps, "held_out": summary}))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockspec", description="Block speculative decoding (DFlash / DSpark).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -202,6 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("calibrate", help="fit DSpark confidence temperatures (STS) on held-out rollouts")
+    p.add_argument("--draft", required=True)
+    p.add_argument("--target", default=None)
+    p.add_argument("--prompts", required=True, help="jsonl of prompts, or a corpus directory")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=123)
+    p.add_argument("--dry-run", action="store_true", help="report only, do not write the temperatures")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("corpus", help="build the offline Python code corpus (+ BPE tokenizer)")
     p.add_argument("--out", default="runs/corpus")

@@ -294,8 +294,10 @@ def _hf_runner(target_dir: Path, target: TargetModel) -> Runner:
     """transformers' own `generate` on the same checkpoint, dtype and device (the AR reference)."""
     try:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
     except ImportError:
         raise BlockspecError("method 'hf' needs transformers: pip install transformers") from None
+    hf_logging.disable_progress_bar()  # one progress bar (ours) at a time
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=target.dtype).to(target.device).eval()
     eos = list(target.config.eos_token_id)
 
@@ -318,10 +320,15 @@ def _hf_runner(target_dir: Path, target: TargetModel) -> Runner:
 
 
 def _resized(draft: DraftModel, block_size: int | None) -> DraftModel:
-    """A copy of `draft` running `block_size` (the trained size when None)."""
+    """`draft` running `block_size` (the trained size when None).
+
+    A shallow copy with its own config: the weights are shared (a block-size
+    sweep of an 8B-scale draft must not hold one weight copy per size), while
+    `set_block_size`, which only shortens, cannot touch the original."""
     if block_size is None or block_size == draft.config.block_size:
         return draft
-    resized = copy.deepcopy(draft)
+    resized = copy.copy(draft)
+    resized.config = copy.deepcopy(draft.config)
     resized.set_block_size(block_size)
     return resized
 

@@ -1,0 +1,21 @@
+"""OpenAI-compatible serving on the batching engine.
+
+    from blockspec.serving import create_app, ServerLimits
+
+`blockspec serve` (serving.server) loads the models and runs the app with uvicorn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ServerLimits", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the CLI imports serving.server to build its parser, which must not pull in
+    # FastAPI and torch.
+    if name in __all__:
+        from blockspec.serving import api
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,226 @@
+"""`blockspec serve`: load the models, build an Engine, run the OpenAI-compatible API.
+
+Flags follow blockspec's own names, plus the aliases SGLang / vLLM users know:
+`--speculative-algorithm`, `--speculative-draft-model-path`,
+`--speculative-dflash-block-size`, `--speculative-dspark-block-size` and
+`--speculative-config '{"method": ..., "model": ..., "num_speculative_tokens": N}'`.
+Block sizes are in the draft's own convention (z-lab: includes the anchor);
+num_speculative_tokens counts drafts (z-lab block = N + 1, DeepSpec block = N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from blockspec.errors import BlockspecError
+
+log = logging.getLogger(__name__)
+
+SPEC_METHODS = ("dflash", "dspark")
+SPEC_CONFIG_KEYS = ("method", "model", "num_speculative_tokens")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+# -- speculation flags ----------------------------------------------------------------------
+
+def speculative_config(text: str) -> dict[str, Any]:
+    """argparse type of --speculative-config: a JSON object with known keys only."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    unknown = sorted(set(raw) - set(SPEC_CONFIG_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown keys {unknown} (supported: {', '.join(SPEC_CONFIG_KEYS)})")
+    method = raw.get("method")
+    if method is not None and (not isinstance(method, str) or method.lower() not in SPEC_METHODS):
+        raise argparse.ArgumentTypeError(f"unknown method {method!r} (supported: {', '.join(SPEC_METHODS)})")
+    model = raw.get("model")
+    if model is not None and not isinstance(model, str):
+        raise argparse.ArgumentTypeError("'model' must be a path string")
+    n = raw.get("num_speculative_tokens")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise argparse.ArgumentTypeError(f"num_speculative_tokens must be a positive integer, got {n!r}")
+    return {"method": method.lower() if method else None, "model": model, "num_speculative_tokens": n}
+
+
+def one_of(what: str, **sources: Any) -> Any:
+    """The value the given flags agree on (None if none is given); disagreement is an error."""
+    given = {flag: value for flag, value in sources.items() if value is not None}
+    if len(set(map(str, given.values()))) > 1:
+        listed = ", ".join(f"{flag}={value}" for flag, value in given.items())
+        raise BlockspecError(f"conflicting {what}: {listed}")
+    return next(iter(given.values()), None)
+
+
+@dataclass
+class Speculation:
+    method: str
+    draft: str | None
+    block_size: int | None   # in the draft's own convention
+    num_drafts: int | None   # num_speculative_tokens: converted once the draft's layout is known
+
+
+def resolve_speculation(args: argparse.Namespace) -> Speculation:
+    """Merge --method/--draft/--block-size with their SGLang / vLLM aliases."""
+    cfg = args.speculative_config or {}
+    alg = args.speculative_algorithm.lower() if args.speculative_algorithm else None
+    draft = one_of("draft paths", draft=args.draft, speculative_draft_model_path=args.speculative_draft_model_path,
+                   speculative_config_model=cfg.get("model"))
+    method = one_of("methods", method=args.method, speculative_algorithm=alg,
+                    speculative_config_method=cfg.get("method"))
+    if method is None:  # a draft without a method runs the method its head supports
+        method = "ar" if draft is None else draft_method(Path(draft))
+    for flag, value, needs in (("--speculative-dflash-block-size", args.speculative_dflash_block_size, "dflash"),
+                               ("--speculative-dspark-block-size", args.speculative_dspark_block_size, "dspark")):
+        if value is not None and method != needs:
+            raise BlockspecError(f"{flag} applies to method {needs}, not {method}")
+    block = one_of("block sizes", block_size=args.block_size,
+                   speculative_dflash_block_size=args.speculative_dflash_block_size,
+                   speculative_dspark_block_size=args.speculative_dspark_block_size)
+    num_drafts = cfg.get("num_speculative_tokens")
+    if block is not None and num_drafts is not None:
+        raise BlockspecError("give a block size or num_speculative_tokens, not both")
+    if method == "ar" and (draft is not None or block is not None or num_drafts is not None):
+        raise BlockspecError("a draft / block size needs a speculative method (--method dflash or dspark)")
+    return Speculation(method, draft, block, num_drafts)
+
+
+def draft_method(draft_dir: Path) -> str:
+    from blockspec.config import DraftConfig
+    return "dspark" if DraftConfig.load(draft_dir).is_dspark else "dflash"
+
+
+def block_for(layout: str, num_drafts: int) -> int:
+    """Block size giving `num_drafts` drafts per round: z-lab blocks include the anchor."""
+    return num_drafts + 1 if layout == "zlab" else num_drafts
+
+
+# -- building and running ---------------------------------------------------------------------
+
+def build_engine(args: argparse.Namespace):
+    """(Engine, Tokenizer, served model name) from parsed `serve` flags."""
+    from blockspec.cli import load_models
+    from blockspec.decoding.engine import Engine
+    from blockspec.decoding.scheduler import CostTable
+
+    spec = resolve_speculation(args)
+    if args.cost_table and not args.scheduled:
+        raise BlockspecError("--cost-table is used by scheduled verification only; add --scheduled")
+    models = argparse.Namespace(target=args.target, draft=spec.draft, method=spec.method,
+                                block_size=spec.block_size, dtype=args.dtype)
+    target, tokenizer, draft = load_models(models)
+    if draft is not None and spec.num_drafts is not None:
+        draft.set_block_size(block_for(draft.config.layout, spec.num_drafts))
+    table = CostTable.load(args.cost_table) if args.cost_table else None
+    engine = Engine(target, draft, spec.method, scheduled=args.scheduled, max_running=args.max_running,
+                    kv_memory_gb=args.kv_memory_gb, max_model_len=args.max_model_len, cost_table=table,
+                    tokenizer=tokenizer)
+    return engine, tokenizer, args.served_model_name or args.target or "blockspec"
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    pass
+
+
+def run_server(app: Any, host: str, port: int, drain_timeout: float, log_level: str = "info") -> None:
+    """Serve until SIGINT / SIGTERM, then drain for up to `drain_timeout` s, cancel the rest, return."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=drain_timeout)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal it caught once it has shut down, through the handlers
+    # it found; with Python's defaults that kills the process (SIGTERM) or raises
+    # KeyboardInterrupt (SIGINT). Installing ignoring handlers first lets a drained server exit 0.
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, _ignore_signal) for sig in handled}
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits when it cannot bind
+        raise BlockspecError(f"cannot serve on {host}:{port}; see the log above") from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        raise BlockspecError("the server failed to start; see the log above")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from blockspec.serving.api import ServerLimits, create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue)
+    engine, tokenizer, name = build_engine(args)
+    app = create_app(engine, tokenizer, name, api_key=args.api_key or None, limits=limits)
+    if args.host not in LOOPBACK and not args.api_key:
+        log.warning("serving on %s without --api-key: anyone who reaches this port can use it", args.host)
+    log.info("model %r: method %s, %d KV slots of %d positions", name, engine.method, engine.rows,
+             engine.max_model_len)
+    run_server(app, args.host, args.port, args.drain_timeout, args.log_level)
+
+
+# -- flags ----------------------------------------------------------------------------------------
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from blockspec.cli import add_model_flags
+
+    add_model_flags(p)
+    p.set_defaults(method=None)  # None: from the aliases, else from the draft, else ar
+    p.add_argument("--scheduled", action="store_true", help="DSpark confidence-scheduled verification")
+    p.add_argument("--cost-table", default=None, help="verify cost table JSON (with --scheduled)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $BLOCKSPEC_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
+    p.add_argument("--max-running", type=int, default=32, help="most requests decoding at once")
+    p.add_argument("--kv-memory-gb", type=float, default=None, help="cap on KV cache memory (fewer slots)")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output positions per request")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (else 413)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for in-flight requests before cancelling them")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("SGLang / vLLM aliases")
+    g.add_argument("--speculative-algorithm", type=str.upper, choices=["DFLASH", "DSPARK"], default=None,
+                   help="= --method")
+    g.add_argument("--speculative-draft-model-path", default=None, help="= --draft")
+    g.add_argument("--speculative-dflash-block-size", type=int, default=None,
+                   help="z-lab block size (includes the anchor)")
+    g.add_argument("--speculative-dspark-block-size", type=int, default=None, help="DeepSpec block size (drafts)")
+    g.add_argument("--speculative-config", type=speculative_config, default=None,
+                   help='JSON, e.g. \'{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}\'')
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server on the batching engine")
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m blockspec.serving.server FLAGS` == `blockspec serve FLAGS`."""
+    parser = argparse.ArgumentParser(prog="blockspec serve")
+    add_serve_arguments(parser)
+    try:
+        cmd_serve(parser.parse_args(argv))
+    except BlockspecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

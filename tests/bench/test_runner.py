@@ -1,0 +1,246 @@
+"""The benchmark runner end to end on tiny random models, the batch-1 speculative
+loop behind calibration / simulated acceptance, the CLI hook and the GPU script's
+fail-fast path."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockspec.bench.runner import (
+    accept_pattern,
+    add_bench_parser,
+    collect_calibration,
+    run_bench,
+    speculative_loop,
+    throughput_vs_concurrency,
+)
+from blockspec.config import SamplingParams
+from blockspec.decoding.generate import generate
+from blockspec.errors import BlockspecError
+from blockspec.models.checkpoint import save_draft
+from conftest import make_draft, make_target, write_tiny_target_dir
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_NEW, LIMIT = 8, 2
+HAS_HF = importlib.util.find_spec("transformers") is not None
+
+
+def strict_json(path: Path):
+    def no_nan(name):
+        raise AssertionError(f"{path} holds {name}")
+    return json.loads(path.read_text(), parse_constant=no_nan)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny target on disk with a DFlash draft (zlab, B=4) and a DSpark draft (gamma 3)."""
+    root = tmp_path_factory.mktemp("bench")
+    target = write_tiny_target_dir(root / "target")
+    save_draft(make_draft(target, layout="zlab", block_size=4), root / "dflash")
+    save_draft(make_draft(target, layout="deepspec", block_size=3, markov_rank=4, confidence=True), root / "dspark")
+    prompts = [{"prompt": " ".join(f"w{(5 * i + j) % 60}" for j in range(6)), "id": f"p{i}"} for i in range(3)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return root
+
+
+def drafts_of(root: Path) -> dict[str, Path]:
+    return {"dflash": root / "dflash", "dspark": root / "dspark"}
+
+
+@pytest.fixture(scope="module")
+def bench(models):
+    methods = ["ar", "dflash", "dspark", "dspark-scheduled"] + (["hf"] if HAS_HF else [])
+    out = models / "out"
+    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], methods,
+                        temperatures=[0.0, 1.0], max_new_tokens=MAX_NEW, limit=LIMIT, repeats=1, out_dir=out,
+                        ignore_eos=True)
+    return results, out
+
+
+def test_bench_writes_json_markdown_and_plots(bench):
+    results, out = bench
+    assert len(strict_json(out / "results.json")["rows"]) == len(results["rows"])
+    md = (out / "results.md").read_text()
+    assert "| dataset | method |" in md and "dflash B=4" in md and "dspark B=3" in md
+    assert "Confidence-head calibration" in md and "NOT lossless" not in md
+    for temp in ("0", "1"):
+        for kind in ("acceptance", "per_slot", "dspark-B-3_reliability"):
+            png = out / f"prompts_t{temp}_{kind}.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert sorted(Path(p).name for p in results["plots"]) == sorted(p.name for p in out.glob("*.png"))
+
+
+def test_bench_rows_cover_every_method_and_temperature(bench):
+    results, _ = bench
+    rows = results["rows"]
+    expected = {"ar", "dflash", "dspark", "dspark-scheduled"} | ({"hf"} if HAS_HF else set())
+    for temp in (0.0, 1.0):
+        assert {r["method"] for r in rows if r["temperature"] == temp} == expected
+    assert results["meta"]["lossless"] and results["meta"]["prompts"] == {"prompts": ["p0", "p1"]}
+
+
+def test_bench_metrics_are_consistent(bench):
+    results, _ = bench
+    for row in results["rows"]:
+        assert row["new_tokens"] == LIMIT * MAX_NEW, row["label"]     # ignore_eos: every request is full
+        assert row["tau"] >= 1.0 and row["speedup"] > 0 and row["tokens_per_s"] > 0
+        assert row["efficiency"] == pytest.approx(row["speedup"] / row["tau"])
+        assert row["t_ar_ms"] > 0
+        if row["method"] == "hf":
+            assert "acceptance" not in row and row["t_draft_ms"] is None
+            continue
+        acc = row["acceptance"]
+        assert sum(acc["histogram"]) == acc["rounds"] > 0
+        assert acc["tau"] == pytest.approx(row["tau"])
+        assert len(acc["histogram"]) <= row["drafts"] + 1
+        if row["method"] == "ar":
+            assert acc["histogram"] == [LIMIT * (MAX_NEW - 1)]        # first token comes from prefill
+            assert row["speedup"] == 1.0 and row["t_draft_ms"] is None
+        else:
+            assert row["t_draft_ms"] > 0 and row["t_verify_ms"] > 0
+            assert row["tau"] <= row["drafts"] + 1
+
+
+def test_bench_calibration_of_dspark(bench):
+    results, _ = bench
+    for row in results["rows"]:
+        cal = row.get("calibration")
+        if row["method"] != "dspark":
+            assert cal is None
+            continue
+        assert 0.0 <= cal["ece"] <= 1.0 and 0.0 <= cal["brier"] <= 1.0
+        assert cal["n"] == row["acceptance"]["rounds"] * row["drafts"]  # the full window is verified
+        assert sum(b["count"] for b in cal["reliability"]) == cal["n"]
+
+
+def test_simulated_acceptance_hits_requested_tau(models):
+    tau = 2.5
+    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], ["ar", "dflash"],
+                        temperatures=[0.0], max_new_tokens=16, limit=LIMIT, block_sizes=[2, 3, 4],
+                        out_dir=models / "sim", simulate_accept=tau, ignore_eos=True, progress=False)
+    spec = [r for r in results["rows"] if r["method"] == "dflash"]
+    assert [r["block_size"] for r in spec] == [3, 4]               # B=2 has one draft: tau 2.5 is out of reach
+    assert any("B=2 skipped" in n for n in results["meta"]["notes"])
+    for row in spec:
+        assert not row["lossless"] and row["mode"] == "simulated"
+        assert abs(row["tau"] - tau) <= 1.0 / row["acceptance"]["rounds"] + 1e-9
+    assert not results["meta"]["lossless"]
+    assert "NOT lossless" in (models / "sim" / "results.md").read_text()
+    assert (models / "sim" / "prompts_t0_speedup_vs_block.png").is_file()
+
+
+def test_accept_pattern_mean_and_validation():
+    for tau in (1.0, 2.5, 3.0, 4.2, 5.0):
+        seq = [a for a, _ in zip(accept_pattern(tau, 4), range(40))]
+        assert set(seq) <= {math.floor(tau - 1), math.ceil(tau - 1)}
+        assert abs(sum(seq) - 40 * (tau - 1)) < 1
+    later = accept_pattern(2.5, 4, start=3)
+    assert [next(later) for _ in range(3)] == [a for a, _ in zip(accept_pattern(2.5, 4), range(6))][3:]
+    for bad in (0.5, 5.5, float("nan")):
+        with pytest.raises(BlockspecError, match="simulated tau"):
+            accept_pattern(bad, 4)   # raises at the call, not at the first round
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_speculative_loop_matches_generate(kind, temperature):
+    target = make_target()
+    draft = (make_draft(target, block_size=4) if kind == "dflash" else
+             make_draft(target, layout="deepspec", block_size=3, markov_rank=4, confidence=True))
+    params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=3)
+    loop = speculative_loop(target, draft, [1, 2, 3, 4], params)
+    ref = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind).completions[0]
+    assert loop.tokens == ref.tokens
+    assert loop.stats.accepted == ref.stats.accepted and loop.stats.verified == ref.stats.verified
+    assert len(loop.confidences) == (loop.stats.rounds if kind == "dspark" else 0)
+    assert loop.timing.rounds == loop.stats.rounds
+
+
+def test_forced_loop_follows_the_pattern():
+    target = make_target()
+    draft = make_draft(target, block_size=5)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    loop = speculative_loop(target, draft, [5, 6, 7], params, accept=accept_pattern(3.5, 4))
+    assert loop.stats.accepted == [a for a, _ in zip(accept_pattern(3.5, 4), range(loop.stats.rounds))]
+    assert len(loop.tokens) == 20
+
+
+def test_calibration_needs_a_confidence_head():
+    target = make_target()
+    with pytest.raises(BlockspecError, match="confidence head"):
+        collect_calibration(target, make_draft(target), [[1, 2]], [SamplingParams(max_new_tokens=4)])
+
+
+def test_throughput_vs_concurrency(tmp_path):
+    pytest.importorskip("blockspec.decoding.engine")
+    target = make_target()
+    out = throughput_vs_concurrency(target, {"dflash": make_draft(target, block_size=3)}, [[1, 2, 3], [4, 5]],
+                                    [1, 2], SamplingParams(max_new_tokens=6, ignore_eos=True),
+                                    tmp_path / "tvc.png")
+    assert out["concurrency"] == [1, 2] and set(out["tokens_per_s"]) == {"ar", "dflash"}
+    assert all(v > 0 for vals in out["tokens_per_s"].values() for v in vals)
+    assert (tmp_path / "tvc.png").is_file()
+
+
+def test_bad_arguments_fail_before_loading(models):
+    common = dict(target_dir=models / "missing", datasets=["x.jsonl"], out_dir=models / "never")
+    with pytest.raises(BlockspecError, match="unknown bench method"):
+        run_bench(drafts={}, methods=["ar", "eagle"], **common)
+    with pytest.raises(BlockspecError, match="needs a dflash draft"):
+        run_bench(drafts={"dflash": None}, methods=["dflash"], **common)
+    with pytest.raises(BlockspecError, match="repeats"):
+        run_bench(drafts={}, repeats=0, **common)
+    with pytest.raises(BlockspecError, match="temperatures"):
+        run_bench(drafts={}, temperatures=[-1.0], **common)
+
+
+def test_cli_parser_and_handler(models, tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="blockspec")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    defaults = parser.parse_args(["bench"])
+    assert (defaults.datasets, defaults.temperatures, defaults.max_new_tokens, defaults.out, defaults.methods,
+            defaults.block_sizes, defaults.simulate_accept) == (
+        ["humaneval", "heldout"], [0.0, 1.0], 128, "docs/bench", None, None, None)
+    full = parser.parse_args(["bench", "--methods", "ar,dflash", "--block-sizes", "8,16", "--temperatures", "0,0.7",
+                              "--simulate-accept", "3.5", "--repeats", "3", "--concurrency", "1,4"])
+    assert (full.methods, full.block_sizes, full.temperatures, full.simulate_accept, full.repeats,
+            full.concurrency) == (["ar", "dflash"], [8, 16], [0.0, 0.7], 3.5, 3, [1, 4])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--block-sizes", "eight"])
+    args = parser.parse_args(["bench", "--target", str(models / "target"), "--datasets",
+                              str(models / "prompts.jsonl"), "--methods", "ar", "--temperatures", "0",
+                              "--max-new-tokens", "4", "--limit", "1", "--out", str(tmp_path / "cli"),
+                              "--no-progress"])
+    args.func(args)
+    assert "| prompts | ar |" in capsys.readouterr().out
+    assert strict_json(tmp_path / "cli" / "results.json")["meta"]["methods"] == ["ar"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("command", [["bash", "benchmarks/gpu.sh"], [sys.executable, "benchmarks/gpu_bench.py"]])
+def test_gpu_bench_fails_fast_without_gpu(command):
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "GPU" in lines[0]
+    assert proc.stdout == ""
+
+
+def test_gpu_bench_smoke_on_cpu(capsys):
+    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "benchmarks" / "gpu_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--smoke", "--batches", "1,2", "--context", "8", "--iters", "2", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| batch | T_ar ms | T_draft ms | T_verify ms |" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2 and all(line.count("x |") == 2 for line in rows)
