@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
+import shutil
 import statistics
 import sys
 import time
@@ -41,7 +43,7 @@ DFLASH_8B = dict(architectures=["DFlashDraftModel"], model_type="qwen3", block_s
                  rope_theta=1_000_000.0, max_position_embeddings=40960, vocab_size=151936)
 SMOKE_TARGET = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=511)
-SMOKE_DRAFT = dict(DFLASH_8B, block_size=4, dflash_config={"mask_token_id": 510, "target_layer_ids": [1, 3]},
+SMOKE_DRAFT = dict(DFLASH_8B, block_size=8, dflash_config={"mask_token_id": 510, "target_layer_ids": [1, 3]},
                    num_target_layers=6, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
 TAUS = (3.0, 6.5)
@@ -55,6 +57,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: tests this script only")
     return ap.parse_args(argv)
+
+
+def nvidia_visible() -> bool:
+    """Cheap pre-check: a CUDA GPU needs the driver's device nodes (containers included)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
 
 
 @contextlib.contextmanager
@@ -176,7 +183,13 @@ def projected(tau: float, t: dict[str, float]) -> float:
     return tau * t["ar"] / (t["draft"] + t["verify"])
 
 
+def projection_cell(tau: float, t: dict[str, float], max_tau: int) -> str:
+    return f"{projected(tau, t):.2f}x" if tau <= max_tau else "n/a (> max tau)"
+
+
 def report(rows: list[tuple[int, dict[str, float]]], header: str, draft_cfg) -> str:
+    """Markdown table of the measured terms and the cost-model projections."""
+    g = draft_cfg.num_drafts
     lines = [header, "",
              "| batch | T_ar ms | T_draft ms | T_verify ms | round / T_ar | "
              + " | ".join(f"speedup @ tau {tau}" for tau in TAUS) + " |",
@@ -184,9 +197,8 @@ def report(rows: list[tuple[int, dict[str, float]]], header: str, draft_cfg) -> 
     for batch, t in rows:
         ratio = (t["draft"] + t["verify"]) / t["ar"]
         cells = [f"{batch}", f"{t['ar'] * 1e3:.2f}", f"{t['draft'] * 1e3:.2f}", f"{t['verify'] * 1e3:.2f}",
-                 f"{ratio:.2f}"] + [f"{projected(tau, t):.2f}x" for tau in TAUS]
+                 f"{ratio:.2f}"] + [projection_cell(tau, t, g + 1) for tau in TAUS]
         lines.append("| " + " | ".join(cells) + " |")
-    g = draft_cfg.num_drafts
     lines += ["", "speedup(tau) = tau * T_ar / (T_draft + T_verify); tau includes the bonus token "
                   f"({draft_cfg.layout} block {draft_cfg.block_size}: {g} drafts, max tau {g + 1})."]
     return "\n".join(lines)
@@ -201,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not batches or min(batches) < 1 or args.context < 1 or args.iters < 1 or args.warmup < 0:
         print("error: batches, --context and --iters must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+    if not args.smoke and not nvidia_visible():  # say so before a slow torch import
+        print("error: gpu_bench needs a CUDA GPU, and none is visible (no /dev/nvidia* device, no nvidia-smi)",
+              file=sys.stderr)
         return 2
     import torch
 

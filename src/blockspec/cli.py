@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(p, TrainConfig)
     p.set_defaults(func=cmd_train)
 
+    from blockspec.bench.runner import add_bench_parser
+    add_bench_parser(sub)
+
     from blockspec.training.pretrain import PretrainConfig
     p = sub.add_parser("pretrain", help="pretrain a small target model on the code corpus")
     p.add_argument("--config", default=None, help="JSON file of PretrainConfig fields")

@@ -108,6 +108,8 @@ def test_bench_metrics_are_consistent(bench):
         else:
             assert row["t_draft_ms"] > 0 and row["t_verify_ms"] > 0
             assert row["tau"] <= row["drafts"] + 1
+            assert row["projected_speedup"] == pytest.approx(
+                row["tau"] * row["t_ar_ms"] / (row["t_draft_ms"] + row["t_verify_ms"]))
 
 
 def test_bench_calibration_of_dspark(bench):

@@ -74,7 +74,8 @@ METHODS = ("ar", "hf", "dflash", "dspark", "dspark-scheduled")
 SPECULATIVE = ("dflash", "dspark", "dspark-scheduled")
 DRAFT_KEY = {"dflash": "dflash", "dspark": "dspark", "dspark-scheduled": "dspark"}
 TABLE_COLUMNS = ["dataset", "method", "mode", "temperature", "block_size", "drafts", "tau", "tokens_per_s",
-                 "speedup", "efficiency", "t_draft_ms", "t_verify_ms", "t_ar_ms", "ece", "auroc"]
+                 "speedup", "efficiency", "projected_speedup", "t_draft_ms", "t_verify_ms", "t_ar_ms", "ece", "auroc"]
+EncodedSets = dict[str, tuple[list[str], list[list[int]]]]   # dataset -> (prompt ids, token ids)
 CALIBRATION_COLUMNS = ["dataset", "method", "temperature", "block_size", "n", "ece", "brier", "auroc"]
 
 
@@ -363,7 +364,7 @@ def _scheduler_importable(notes: list[str]) -> bool:
 
 @dataclass
 class BenchSetup:
-    """Everything the arms are built from."""
+    """The loaded models and every option of one benchmark run."""
 
     target_dir: Path
     target: TargetModel
@@ -374,6 +375,17 @@ class BenchSetup:
     rule: str
     max_model_len: int
     cost_table: str | Path | None
+    temperatures: list[float]
+    max_new_tokens: int
+    repeats: int
+    seed: int
+    ignore_eos: bool
+    out_dir: Path
+
+    def params(self, temperature: float, count: int) -> list[SamplingParams]:
+        """Per-prompt sampling settings: one seed per prompt (repeats reuse it and decode the same tokens)."""
+        return [SamplingParams(temperature=temperature, max_new_tokens=self.max_new_tokens, seed=self.seed + i,
+                               ignore_eos=self.ignore_eos) for i in range(count)]
 
 
 def _draft_variants(draft: DraftModel, block_sizes: list[int] | None, method: str,
@@ -393,9 +405,7 @@ def _draft_variants(draft: DraftModel, block_sizes: list[int] | None, method: st
 def build_arms(setup: BenchSetup, notes: list[str]) -> list[Arm]:
     """One arm per (method, block size); dspark and dspark-scheduled share their draft copies."""
     target = setup.target
-    # With zero drafts both rules reduce to sampling the target; "match" is used for AR
-    # because generate's rejection path insists on draft probabilities even when g == 0.
-    arms = [Arm("ar", _generate_runner(target, None, "ar", "match"))]
+    arms = [Arm("ar", _generate_runner(target, None, "ar", "rejection"))]
     variants = {key: _draft_variants(d, setup.block_sizes, key, notes) for key, d in setup.drafts.items()}
     for method in setup.methods:
         if method == "ar":
@@ -491,6 +501,14 @@ def _per(seconds: float, count: int) -> float | None:
     return seconds / count * 1e3 if count else None
 
 
+def _projected(tau: float, t_ar: float | None, t_draft: float | None, t_verify: float | None) -> float | None:
+    """Design section 1: AR latency per token over (T_draft + T_verify) / tau, from per-round
+    timings alone (no prefill, no Python loop outside the round)."""
+    if t_ar is None or t_draft is None or t_verify is None or t_draft + t_verify <= 0:
+        return None
+    return tau * t_ar / (t_draft + t_verify)
+
+
 def summarize(arm: Arm, total: ArmTotals, ar: ArmTotals, group: dict[str, Any]) -> dict[str, Any]:
     """One results row: acceptance, throughput, speed-up and the section-1 cost terms."""
     tau = total.acceptance.tau if total.has_rounds else 1.0   # hf is AR: one token per forward
@@ -511,6 +529,7 @@ def summarize(arm: Arm, total: ArmTotals, ar: ArmTotals, group: dict[str, Any]) 
         "t_verify_ms": _per(total.timing.verify_s, total.timing.rounds) if arm.draft is not None else None,
         "t_ar_ms": _per(ar.timing.verify_s, ar.timing.rounds),
     })
+    row["projected_speedup"] = _projected(tau, row["t_ar_ms"], row["t_draft_ms"], row["t_verify_ms"])
     if total.has_rounds:
         row["acceptance"] = total.acceptance.to_dict()
     return row
@@ -615,7 +634,8 @@ def _group_plots(rows: list[dict[str, Any]], block_sizes: list[int] | None, out_
         for method in dict.fromkeys(r["method"] for r in spec):
             found = {r["block_size"]: r["speedup"] for r in spec if r["method"] == method}
             by_method[method] = [found.get(b) for b in block_sizes]
-        files.append(plots.plot_speedup_vs_block(list(block_sizes), by_method, out_dir / f"{stem}_speedup_vs_block.png"))
+        files.append(plots.plot_speedup_vs_block(list(block_sizes), by_method,
+                                                 out_dir / f"{stem}_speedup_vs_block.png"))
     for r in rows:
         if r.get("calibration") and r["method"] == "dspark":
             files.append(plots.plot_reliability(r["calibration"]["reliability"],
@@ -641,9 +661,10 @@ def render_markdown(results: dict[str, Any]) -> str:
                   "projected speed-up) is meaningful.", ""]
     lines += [f"target `{meta['target']}` ({meta['dtype']}, {meta['device']}), {meta['machine']}; "
               f"max_new_tokens {meta['max_new_tokens']}, repeats {meta['repeats']} (median), "
-              f"interleaved arms; tau includes the bonus token; block_size in each draft's own layout "
-              f"convention (zlab: incl. anchor, drafts = B-1; deepspec: drafts = gamma). "
-              f"Times: t_draft / t_verify per round, t_ar per AR step, in ms.", ""]
+              "interleaved arms; tau includes the bonus token; block_size in each draft's own layout "
+              "convention (zlab: incl. anchor, drafts = B-1; deepspec: drafts = gamma). "
+              "Times: t_draft / t_verify per round, t_ar per AR step, in ms; projected_speedup = "
+              "tau * t_ar / (t_draft + t_verify).", ""]
     lines += [markdown_table([_table_row(r) for r in results["rows"]], TABLE_COLUMNS), ""]
     cal_rows = [dict(r["calibration"], dataset=r["dataset"], method=r["method"], temperature=r["temperature"],
                      block_size=r["block_size"]) for r in results["rows"] if r.get("calibration")]
@@ -687,8 +708,10 @@ def throughput_vs_concurrency(target: TargetModel, drafts: Mapping[str, DraftMod
                               out_path: str | Path | None = None) -> dict[str, Any] | None:
     """Aggregate tokens/s of the continuous-batching engine at each concurrency level.
 
-    For each method (`ar` plus every given draft) and level c, c requests (prompts
-    cycled) are submitted together and run to completion. Returns
+    For each method (`ar` plus every given draft) and level c, a fresh engine with
+    max_running = c runs max(4, 2c) requests (prompts cycled) to completion, so the
+    pool is refilled at least once (the protocol of benchmarks/engine_throughput.py).
+    tokens/s = generated tokens / wall time. Returns
     {"concurrency", "tokens_per_s": {method: [...]}} (and writes the plot when
     `out_path` is given), or None when `blockspec.decoding.engine` is unavailable."""
     try:
@@ -703,7 +726,7 @@ def throughput_vs_concurrency(target: TargetModel, drafts: Mapping[str, DraftMod
         tps[method] = []
         for c in levels:
             engine = Engine(target, draft, method=method, max_running=c, max_model_len=max_len)
-            batch = [list(prompts[i % len(prompts)]) for i in range(c)]
+            batch = [list(prompts[i % len(prompts)]) for i in range(max(4, 2 * c))]
             _sync(target.device)
             t0 = time.perf_counter()
             completions = engine.generate(batch, params)
@@ -734,6 +757,95 @@ def _load_models(target_dir: Path, drafts: Mapping[str, str | Path | None], meth
     return target, Tokenizer(target_dir), loaded
 
 
+def _encode_sets(datasets: Sequence[str] | Mapping[str, Sequence[BenchPrompt]], tokenizer: Any, limit: int | None,
+                 target: TargetModel, max_new_tokens: int, notes: list[str]) -> EncodedSets:
+    """{dataset: (prompt ids, token ids)}, every prompt fitting the model with max_new_tokens after it."""
+    budget = target.config.max_position_embeddings - max_new_tokens
+    if budget < 1:
+        raise BlockspecError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+                             f"{target.config.max_position_embeddings} positions")
+    return {name: _encode(prompts, tokenizer, budget, notes, name)
+            for name, prompts in _datasets(datasets, tokenizer, limit).items()}
+
+
+def _warm_up(arms: list[Arm], ids: list[int], setup: BenchSetup, tick: Callable[[str], None]) -> None:
+    """One untimed run per arm: allocations, fused weights and kernel selection stay out of the numbers."""
+    params = SamplingParams(max_new_tokens=min(8, setup.max_new_tokens), ignore_eos=True)
+    for arm in arms:
+        timed_run(arm, ids, params, setup.target.device)
+        tick(f"warm-up {arm.label}")
+
+
+def _run_group(arms: list[Arm], prompt_ids: list[list[int]], group: dict[str, Any], setup: BenchSetup,
+               tick: Callable[[str], None]) -> list[dict[str, Any]]:
+    """One (dataset, temperature): interleaved timing of every arm, then DSpark calibration."""
+    params = setup.params(group["temperature"], len(prompt_ids))
+    totals = measure(arms, prompt_ids, params, setup.repeats, setup.target.device, tick)
+    rows = [summarize(a, t, totals[0], group) for a, t in zip(arms, totals)]
+    for row, arm in zip(rows, arms):
+        if _calibrates(arm):
+            assert arm.draft is not None
+            label = f"calibration {arm.label}"
+            row["calibration"] = collect_calibration(setup.target, arm.draft, prompt_ids, params, setup.rule,
+                                                     tick=lambda: tick(label))
+    return rows
+
+
+def _calibrates(arm: Arm) -> bool:
+    """Calibration is a property of the draft: measured once, on the full-window dspark arm."""
+    return (arm.method == "dspark" and not arm.simulated and arm.draft is not None
+            and arm.draft.confidence_head is not None)
+
+
+def _run_all(arms: list[Arm], sets: EncodedSets, setup: BenchSetup,
+             progress: bool) -> tuple[list[dict[str, Any]], list[Path]]:
+    """Every dataset x temperature group, under one progress bar; rows and the plots written."""
+    n_prompts = sum(len(ids) for _, ids in sets.values())
+    total = len(arms) + len(setup.temperatures) * n_prompts * (len(arms) * setup.repeats + sum(map(_calibrates, arms)))
+    rows: list[dict[str, Any]] = []
+    plot_files: list[Path] = []
+    with _progress(progress, total) as tick:
+        _warm_up(arms, next(iter(sets.values()))[1][0], setup, tick)
+        for name, (_, prompt_ids) in sets.items():
+            for temp in setup.temperatures:
+                group = {"dataset": name, "temperature": temp, "repeats": setup.repeats}
+                group_rows = _run_group(arms, prompt_ids, group, setup, tick)
+                rows += group_rows
+                plot_files += _group_plots(group_rows, setup.block_sizes, setup.out_dir, f"{_slug(name)}_t{temp:g}")
+    return rows, plot_files
+
+
+def _concurrency(setup: BenchSetup, prompt_ids: list[list[int]], levels: Sequence[int] | None,
+                 notes: list[str]) -> tuple[dict[str, Any] | None, list[Path]]:
+    if not levels:
+        return None, []
+    path = setup.out_dir / "throughput_vs_concurrency.png"
+    params = setup.params(setup.temperatures[0], 1)[0]
+    result = throughput_vs_concurrency(setup.target, setup.drafts, prompt_ids, list(levels), params, path)
+    if result is None:
+        notes.append("throughput vs concurrency skipped: blockspec.decoding.engine is not available")
+        return None, []
+    return result, [path]
+
+
+def _meta(setup: BenchSetup, drafts: Mapping[str, str | Path | None], sets: EncodedSets,
+          limit: int | None, notes: list[str]) -> dict[str, Any]:
+    """What was run, on what, so a result file can be trusted (or reproduced) later."""
+    device = setup.target.device
+    return {
+        "target": str(setup.target_dir), "drafts": {k: str(v) for k, v in drafts.items() if v is not None},
+        "draft_layouts": {k: d.config.layout for k, d in setup.drafts.items()},
+        "methods": setup.methods, "temperatures": setup.temperatures, "max_new_tokens": setup.max_new_tokens,
+        "limit": limit, "repeats": setup.repeats, "block_sizes": setup.block_sizes,
+        "simulate_accept": setup.simulate_accept, "lossless": setup.simulate_accept is None,
+        "dtype": str(setup.target.dtype).removeprefix("torch."), "device": str(device),
+        "machine": _machine(device), "seed": setup.seed, "ignore_eos": setup.ignore_eos, "rule": setup.rule,
+        "prompts": {name: ids for name, (ids, _) in sets.items()},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "notes": notes,
+    }
+
+
 def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
               datasets: Sequence[str] | Mapping[str, Sequence[BenchPrompt]], methods: Sequence[str] | None = None,
               temperatures: Sequence[float] = (0.0,), max_new_tokens: int = 128, limit: int | None = None,
@@ -754,73 +866,20 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
     notes: list[str] = []
     method_list = _resolve_methods(methods, drafts, notes)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    target_dir = Path(target_dir)
-    target, tokenizer, loaded = _load_models(target_dir, drafts, method_list, dtype, dev)
-    budget = target.config.max_position_embeddings - max_new_tokens
-    if budget < 1:
-        raise BlockspecError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
-                             f"{target.config.max_position_embeddings} positions")
-    sets = {name: _encode(prompts, tokenizer, budget, notes, name)
-            for name, prompts in _datasets(datasets, tokenizer, limit).items()}
+    target, tokenizer, loaded = _load_models(Path(target_dir), drafts, method_list, dtype, dev)
+    sets = _encode_sets(datasets, tokenizer, limit, target, max_new_tokens, notes)
     max_model_len = max(len(ids) for _, prompt_ids in sets.values() for ids in prompt_ids) + max_new_tokens
-    setup = BenchSetup(target_dir, target, loaded, method_list, list(block_sizes) if block_sizes else None,
-                       simulate_accept, rule, max_model_len, cost_table)
+    setup = BenchSetup(Path(target_dir), target, loaded, method_list, list(block_sizes) if block_sizes else None,
+                       simulate_accept, rule, max_model_len, cost_table, [float(t) for t in temperatures],
+                       max_new_tokens, repeats, seed, ignore_eos, Path(out_dir))
     arms = build_arms(setup, notes)
-    out = Path(out_dir)
-    rows, plot_files = [], []
-    calibrated = [a for a in arms if a.method == "dspark" and a.draft is not None
-                  and a.draft.confidence_head is not None and not a.simulated]
     if simulate_accept is not None:
         notes.append(f"simulated acceptance: tau forced to {simulate_accept} per round; outputs are NOT lossless")
-    n_prompts = sum(len(ids) for _, ids in sets.values())
-    total = len(arms) + len(temperatures) * n_prompts * (len(arms) * repeats + len(calibrated))
-    with _progress(progress, total) as tick:
-        warm_ids = next(iter(sets.values()))[1][0]
-        for arm in arms:  # one-time costs (allocations, fused weights, kernels) stay out of the numbers
-            timed_run(arm, warm_ids, SamplingParams(max_new_tokens=min(8, max_new_tokens), ignore_eos=True), dev)
-            tick(f"warm-up {arm.label}")
-        for name, (_, prompt_ids) in sets.items():
-            for temp in temperatures:
-                params = [SamplingParams(temperature=float(temp), max_new_tokens=max_new_tokens, seed=seed + i,
-                                         ignore_eos=ignore_eos) for i in range(len(prompt_ids))]
-                totals = measure(arms, prompt_ids, params, repeats, dev, tick)
-                group = {"dataset": name, "temperature": float(temp), "repeats": repeats}
-                group_rows = [summarize(a, t, totals[0], group) for a, t in zip(arms, totals)]
-                for arm in calibrated:
-                    cal = collect_calibration(target, arm.draft, prompt_ids, params, rule,
-                                              tick=lambda: tick(f"calibration {arm.label}"))
-                    group_rows[arms.index(arm)]["calibration"] = cal
-                rows += group_rows
-                plot_files += _group_plots(group_rows, setup.block_sizes, out, f"{_slug(name)}_t{temp:g}")
-    concurrency_result = None
-    if concurrency:
-        first = next(iter(sets.values()))[1]
-        concurrency_result = throughput_vs_concurrency(
-            target, loaded, first, list(concurrency),
-            SamplingParams(temperature=float(temperatures[0]), max_new_tokens=max_new_tokens, seed=seed,
-                           ignore_eos=ignore_eos), out / "throughput_vs_concurrency.png")
-        if concurrency_result is None:
-            notes.append("throughput vs concurrency skipped: blockspec.decoding.engine is not available")
-        else:
-            plot_files.append(out / "throughput_vs_concurrency.png")
-    results = {
-        "meta": {
-            "target": str(target_dir), "drafts": {k: str(v) for k, v in drafts.items() if v is not None},
-            "draft_layouts": {k: d.config.layout for k, d in loaded.items()},
-            "methods": method_list, "temperatures": [float(t) for t in temperatures],
-            "max_new_tokens": max_new_tokens, "limit": limit, "repeats": repeats,
-            "block_sizes": setup.block_sizes, "simulate_accept": simulate_accept,
-            "lossless": simulate_accept is None, "dtype": str(target.dtype).removeprefix("torch."),
-            "device": str(dev), "machine": _machine(dev), "seed": seed, "ignore_eos": ignore_eos, "rule": rule,
-            "prompts": {name: ids for name, (ids, _) in sets.items()},
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "notes": notes,
-        },
-        "rows": rows,
-        "concurrency": concurrency_result,
-        "plots": [str(p) for p in plot_files],
-    }
-    write_outputs(results, out)
+    rows, plot_files = _run_all(arms, sets, setup, progress)
+    conc, conc_plots = _concurrency(setup, next(iter(sets.values()))[1], concurrency, notes)
+    results = {"meta": _meta(setup, drafts, sets, limit, notes), "rows": rows, "concurrency": conc,
+               "plots": [str(p) for p in plot_files + conc_plots]}
+    write_outputs(results, setup.out_dir)
     return results
 
 

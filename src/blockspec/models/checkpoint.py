@@ -119,14 +119,19 @@ def target_tensors(model: TargetModel, dtype: torch.dtype | None = None) -> dict
     return out
 
 
-def save_target(model: TargetModel, directory: str | Path, dtype: str | torch.dtype | None = None) -> None:
+def save_checkpoint(directory: str | Path, config: dict, tensors: dict[str, torch.Tensor],
+                    dtype: torch.dtype) -> None:
+    """config.json (with torch_dtype) + model.safetensors, the layout every loader reads."""
     directory = Path(directory)
-    torch_dtype = parse_dtype(dtype) if dtype is not None else model.dtype
-    cfg = model.config.to_dict()
-    cfg["torch_dtype"] = str(torch_dtype).replace("torch.", "")
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    write_tensors(directory, target_tensors(model, torch_dtype))
+    config = {**config, "torch_dtype": str(dtype).replace("torch.", "")}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tensors(directory, tensors)
+
+
+def save_target(model: TargetModel, directory: str | Path, dtype: str | torch.dtype | None = None) -> None:
+    torch_dtype = parse_dtype(dtype) if dtype is not None else model.dtype
+    save_checkpoint(directory, model.config.to_dict(), target_tensors(model, torch_dtype), torch_dtype)
 
 
 # -- drafts (design section 6) ------------------------------------------------------
@@ -157,10 +162,6 @@ def load_draft(directory: str | Path, dtype: str | torch.dtype = "float32", devi
 
 
 def save_draft(model: "DraftModel", directory: str | Path, dtype: str | torch.dtype | None = None) -> None:
-    directory = Path(directory)
     torch_dtype = parse_dtype(dtype) if dtype is not None else model.dtype
-    cfg = model.config.to_dict()
-    cfg["torch_dtype"] = str(torch_dtype).replace("torch.", "")
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    write_tensors(directory, {k: v.detach().to(torch_dtype).cpu() for k, v in model.state_dict().items()})
+    tensors = {k: v.detach().to(torch_dtype).cpu() for k, v in model.state_dict().items()}
+    save_checkpoint(directory, model.config.to_dict(), tensors, torch_dtype)

@@ -37,7 +37,7 @@ from blockspec.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-GREEDY_EPS = 1e-5       # smaller temperatures are greedy (as in vLLM): logits / T would overflow
+GREEDY_EPS = 1e-5       # smaller temperatures are greedy (vLLM's rule): logits / T can overflow float32
 MIN_TOP_P = 1e-6        # float32 rounds a smaller top_p to 0, which would drop every token
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -580,6 +580,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: s
             await asyncio.to_thread(engine.shutdown, drain=False, timeout=60)
 
     app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.redirect_slashes = False  # a JSON API answers 404, not a redirect
     app.add_middleware(Guard, api_key=api_key, counts=counts)
     install_error_handlers(app)
 
