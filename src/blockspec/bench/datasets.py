@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from blockspec.errors import BlockspecError
+from blockspec.training.data import read_prompt_jsonl
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.training.corpus import MAX_FILE_BYTES, is_validation, stdlib_files
 
@@ -167,43 +168,9 @@ def heldout_code(corpus_dir: str | Path | None = None, *, val_percent: int = 2, 
 
 
 # ---------------------------------------------------------------------- user jsonl
-def _row_text(row: Any, tokenizer: Tokenizer | None, where: str) -> str:
-    if isinstance(row, dict) and "messages" in row:
-        if not isinstance(row["messages"], list):
-            raise BlockspecError(f"{where}: 'messages' must be a list of {{role, content}} objects")
-        if tokenizer is None:
-            raise BlockspecError(f"{where}: 'messages' rows need a tokenizer (for the chat template)")
-        return tokenizer.apply_chat_template(row["messages"])
-    if isinstance(row, dict):
-        for key in ("prompt", "text"):
-            if isinstance(row.get(key), str):
-                return row[key]
-    raise BlockspecError(f"{where}: needs a string 'prompt' or 'text' field, or a 'messages' list")
-
-
 def jsonl(path: str | Path, tokenizer: Tokenizer | None = None) -> list[BenchPrompt]:
     """User prompts from a jsonl file; ids from `id` / `task_id`, else `<stem>/<line>`."""
-    path = Path(path)
-    if not path.is_file():
-        raise BlockspecError(f"prompts: {path} does not exist")
-    prompts: list[BenchPrompt] = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"prompts: {path}:{n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise BlockspecError(f"{where} is not valid JSON ({exc})") from None
-            text = _row_text(row, tokenizer, where)
-            if not text:
-                raise BlockspecError(f"{where}: the prompt is empty")
-            rid = row.get("id", row.get("task_id", f"{path.stem}/{n}"))
-            prompts.append(BenchPrompt(str(rid), text))
-    if not prompts:
-        raise BlockspecError(f"prompts: {path} holds no prompts")
-    return prompts
+    return [BenchPrompt(rid, text) for rid, text in read_prompt_jsonl(Path(path), tokenizer)]
 
 
 # ---------------------------------------------------------------------- specs

@@ -11,6 +11,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from blockspec.models.tokenizer import Tokenizer
 def load_prompts(source: str, tokenizer: Tokenizer, limit: int, seed: int = 0,
                  min_tokens: int = 16, max_tokens: int = 192) -> list[list[int]]:
     """Prompts as token ids from a jsonl file ({"prompt"} / {"text"} / {"messages"} per line)
-    or from a corpus directory's train.jsonl (random code prefixes cut at a line end)."""
+    or from a corpus directory's train.jsonl (random token windows of its files)."""
     path = Path(source)
     rng = random.Random(seed)
     if path.is_dir():
@@ -41,27 +42,45 @@ def load_prompts(source: str, tokenizer: Tokenizer, limit: int, seed: int = 0,
             length = rng.randint(min_tokens, max_tokens)
             prompts.append(ids[start:start + length])
         return prompts
+    texts = [text for _, text in read_prompt_jsonl(path, tokenizer)]
+    return [tokenizer.encode(text)[-max_tokens:] for text in texts[:limit]]
+
+
+def _row_text(row: Any, tokenizer: Tokenizer | None, where: str) -> str:
+    if isinstance(row, dict) and "messages" in row:
+        if not isinstance(row["messages"], list):
+            raise BlockspecError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+        if tokenizer is None:
+            raise BlockspecError(f"{where}: 'messages' rows need a tokenizer (for the chat template)")
+        return tokenizer.apply_chat_template(row["messages"])
+    if isinstance(row, dict):
+        for key in ("prompt", "text"):
+            if isinstance(row.get(key), str):
+                return row[key]
+    raise BlockspecError(f"{where}: needs a string 'prompt' or 'text' field, or a 'messages' list")
+
+
+def read_prompt_jsonl(path: Path, tokenizer: Tokenizer | None = None) -> list[tuple[str, str]]:
+    """(id, text) per line of {"prompt"} / {"text"} / {"messages"} objects; ids from
+    `id` / `task_id`, else `<stem>/<line>`. Chat messages go through the chat template."""
     if not path.is_file():
         raise BlockspecError(f"prompts: {path} does not exist")
-    prompts = []
-    for n, line in enumerate(path.open(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BlockspecError(f"prompts: {path}:{n} is not valid JSON ({exc})") from None
-        if isinstance(row, dict) and isinstance(row.get("messages"), list):
-            text = tokenizer.apply_chat_template(row["messages"])
-        elif isinstance(row, dict) and isinstance(row.get("prompt", row.get("text")), str):
-            text = row.get("prompt", row.get("text"))
-        elif isinstance(row, str):
-            text = row
-        else:
-            raise BlockspecError(f"prompts: {path}:{n} needs a 'prompt', 'text' or 'messages' field")
-        prompts.append(tokenizer.encode(text)[-max_tokens:])
-        if len(prompts) >= limit:
-            break
+    prompts: list[tuple[str, str]] = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"prompts: {path}:{n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise BlockspecError(f"{where} is not valid JSON ({exc})") from None
+            text = _row_text(row, tokenizer, where)
+            if not text:
+                raise BlockspecError(f"{where}: the prompt is empty")
+            prompts.append((str(row.get("id", row.get("task_id", f"{path.stem}/{n}"))), text))
+    if not prompts:
+        raise BlockspecError(f"prompts: {path} holds no prompts")
     return prompts
 
 
