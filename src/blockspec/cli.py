@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     from blockspec.bench.runner import add_bench_parser
     add_bench_parser(sub)
 
+    from blockspec.serving.server import add_serve_parser
+    add_serve_parser(sub)
+
     from blockspec.training.pretrain import PretrainConfig
     p = sub.add_parser("pretrain", help="pretrain a small target model on the code corpus")
     p.add_argument("--config", default=None, help="JSON file of PretrainConfig fields")

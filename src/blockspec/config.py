@@ -209,13 +209,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                  and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
-        _require(isinstance(self.top_k, int) and self.top_k >= 0,
+        _require(isinstance(self.top_k, int) and 0 <= self.top_k < 2**31,
                  f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-                 f"top_p must be in (0, 1], got {self.top_p!r}")
+        # A top_p below float32 resolution would drop every token.
+        _require(isinstance(self.top_p, (int, float)) and 1e-6 <= self.top_p <= 1,
+                 f"top_p must be in (0, 1] (and >= 1e-6), got {self.top_p!r}")
         _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0,
                  f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        _require(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+                 f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

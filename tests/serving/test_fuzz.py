@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serving_harness import KEY, MODEL, dflash_engine, start, write_models
@@ -152,7 +152,7 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats
 FIELDS = sorted({*BAD_COMMON, *BAD_COMPLETION, *BAD_CHAT})
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, database=None)  # database=None: no .hypothesis/ in the repo
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
        changes=st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), json_values, max_size=3))
 def test_random_fields_never_5xx(server, path, changes):

@@ -198,7 +198,7 @@ class RequestHandle:
             except Exception as exc:  # a client's callback must not take the engine down
                 self.error = exc
                 log.exception("on_output callback of request %s failed", self.request_id)
-        if completion is not None:
+        if completion is not None and not self._future.done():  # an awaiting task may have been cancelled
             self._future.set_result(completion)
 
     def __iter__(self) -> Iterator[RequestOutput]:
@@ -224,7 +224,8 @@ class RequestHandle:
         return self._future.result(timeout)
 
     def __await__(self):
-        return asyncio.wrap_future(self._future).__await__()
+        # Shielded: cancelling the awaiting task must not cancel the request's future.
+        return asyncio.shield(asyncio.wrap_future(self._future)).__await__()
 
 
 @dataclass

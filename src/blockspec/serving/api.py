@@ -403,7 +403,8 @@ class Service:
 
     def submit(self, job: Job, prompt: list[int], params: SamplingParams, prompt_param: str) -> RequestHandle:
         m = self.engine.metrics()
-        # Exact without a lock: handlers run on one event loop and nothing awaits between check and submit.
+        # No lock needed: handlers share one event loop and nothing awaits between check and
+        # submit; the engine thread only ever lowers the count.
         if m["running"] + m["waiting"] >= m["slots"] + self.limits.max_queue:
             raise ApiError(429, "the server is busy (request queue full); retry later", headers={"Retry-After": "1"})
         try:

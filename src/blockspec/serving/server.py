@@ -157,7 +157,10 @@ def run_server(app: Any, host: str, port: int, drain_timeout: float, log_level: 
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from blockspec.serving.api import ServerLimits, create_app
+    try:
+        from blockspec.serving.api import ServerLimits, create_app
+    except ImportError as exc:  # FastAPI / uvicorn are the optional `serve` extra
+        raise BlockspecError(f"serving needs FastAPI and uvicorn: pip install 'blockspec[serve]' ({exc})") from None
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue)
