@@ -36,7 +36,7 @@ def load_prompts(source: str, tokenizer: Tokenizer, limit: int, seed: int = 0,
         while len(prompts) < limit:
             text = rng.choice(texts)
             ids = tokenizer.encode(text)
-            if len(ids) < min_tokens + 64:
+            if len(ids) <= min_tokens + 64:
                 continue
             start = rng.randrange(0, len(ids) - min_tokens - 64)
             length = rng.randint(min_tokens, max_tokens)
