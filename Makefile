@@ -18,6 +18,8 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	cd /tmp && $(CURDIR)/$(BIN)/blockspec generate "def fib(n):"
+	cd /tmp && $(CURDIR)/$(BIN)/blockspec generate "def fib(n):" --method dflash
+	cd /tmp && $(CURDIR)/$(BIN)/blockspec generate "def fib(n):" --method dspark
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
