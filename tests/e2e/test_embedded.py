@@ -45,7 +45,7 @@ def test_cli_generate_with_no_flags_from_any_directory(tmp_path):
 
 def test_cli_errors_are_one_line_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "blockspec.cli", "generate", "x", "--target", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "config.json" in proc.stderr
     assert "Traceback" not in proc.stderr
