@@ -186,9 +186,12 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     temps = fit_sts(fit)
     summary = {k: {m: v[m] for m in ("ece", "brier", "auroc", "n")}
                for k, v in (("before", held.prefix_calibration()), ("after", held.prefix_calibration(temps)))}
-    if not args.dry_run:
+    # Keep the temperatures only if they calibrate the held-out half better.
+    improved = summary["after"]["ece"] < summary["before"]["ece"]
+    saved = not args.dry_run and (improved or args.force)
+    if saved:
         save_temperatures(Path(args.draft), temps)
-    print(json.dumps({"temperatures": temps, "held_out": summary}))
+    print(json.dumps({"temperatures": temps, "held_out": summary, "saved": saved}))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=123)
     p.add_argument("--dry-run", action="store_true", help="report only, do not write the temperatures")
+    p.add_argument("--force", action="store_true", help="write the temperatures even if held-out ECE does not improve")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("corpus", help="build the offline Python code corpus (+ BPE tokenizer)")
