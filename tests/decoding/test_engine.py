@@ -21,6 +21,7 @@ from blockspec.decoding.sampling import RowSampler, Verdict, warp
 from blockspec.decoding.scheduler import CostTable
 from blockspec.decoding.speculate import Proposal, prefill
 from blockspec.errors import BlockspecError
+from lossless_stats import chi_square_p, exact_first_three
 from conftest import make_draft, make_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [4, 4, 4, 4],
@@ -203,30 +204,6 @@ def target12():
     return make_target(seed=3, vocab=VOCAB, dtype=torch.float64)
 
 
-def exact_first_three(target, params: SamplingParams) -> torch.Tensor:
-    """P(t1, t2, t3 | prompt) under the warped target, flattened [V**3]."""
-    sampler = RowSampler.from_params([params])
-    seqs = [SAMPLE_PROMPT + list(p) for p in itertools.product(range(VOCAB), repeat=2)]
-    with torch.no_grad():
-        logits = target(torch.tensor(seqs)).logits[:, len(SAMPLE_PROMPT) - 1:]
-    probs = torch.cat([warp(logits[i:i + 1], sampler) for i in range(len(seqs))])  # [V*V, 3, V]
-    p1 = probs[0, 0].view(-1, 1, 1)
-    p2 = probs[::VOCAB, 1].view(VOCAB, VOCAB, 1)
-    p3 = probs[:, 2].view(VOCAB, VOCAB, VOCAB)
-    return (p1 * p2 * p3).flatten()
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square, cells with expected count < 5 pooled."""
-    stats = pytest.importorskip("scipy.stats")
-    expected = probs * counts.sum()
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    keep = exp > 0
-    return float(stats.chisquare(obs[keep].numpy(), exp[keep].numpy() * float(obs.sum() / exp[keep].sum())).pvalue)
-
-
 def sample_under_load(engine: Engine, params: SamplingParams) -> torch.Tensor:
     """N seeded requests of the measured kind, interleaved with other prompts and params."""
     rng = random.Random(0)
@@ -262,7 +239,7 @@ def sampling_engine(target, method: str) -> Engine:
 def test_batched_sampling_follows_target_distribution(target12, method, params):
     engine = sampling_engine(target12, method)
     counts = sample_under_load(engine, params)
-    assert chi_square_p(counts, exact_first_three(target12, params)) > ALPHA
+    assert chi_square_p(counts, exact_first_three(target12, params, SAMPLE_PROMPT, VOCAB)) > ALPHA
     m = engine.metrics()
     assert m["kv_bytes_in_use"] == 0 and m["finished"] == N + N // 8
     if method == "dspark-scheduled":  # the planner really varied the lengths
@@ -281,7 +258,7 @@ def test_lossy_verifier_is_detected_under_batching(target12, monkeypatch):
     monkeypatch.setattr(engine_module, "verify", accept_all)
     params = SamplingParams(temperature=1.0)
     counts = sample_under_load(sampling_engine(target12, "dflash"), params)
-    assert chi_square_p(counts, exact_first_three(target12, params)) < ALPHA
+    assert chi_square_p(counts, exact_first_three(target12, params, SAMPLE_PROMPT, VOCAB)) < ALPHA
 
 
 # -- slots, limits, rejection -----------------------------------------------------------
