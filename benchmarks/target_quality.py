@@ -1,5 +1,6 @@
 """Quality of a target on HumanEval prompts: greedy completions (128 new tokens by
-default) cut at the end of the function, and the fraction `ast.parse` accepts.
+default) cut at the end of the function, the fraction `ast.parse` accepts, and the
+fraction that parses AND has a function body beyond the docstring / `pass`.
 Prints 5 sample continuations and a JSON summary.
 
     python benchmarks/target_quality.py [--target DIR] [--new-tokens 128] [--batch 16]
@@ -23,6 +24,16 @@ def cut_function(completion: str) -> str:
     return completion[:min(ends)] if ends else completion
 
 
+def has_body(tree: ast.Module, name: str) -> bool:
+    """Whether function `name` has a statement besides its docstring and `pass`
+    (an empty body parses too, so the parse rate alone flatters a weak model)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return any(not (isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+                                                        and isinstance(s.value.value, str))) for s in node.body)
+    return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=None)
@@ -34,6 +45,8 @@ def main() -> None:
     path = args.target or str(embedded.default_target())
     target, tok = load_target(path), Tokenizer(path)
     problems = list(read_problems().values())
+    for p in problems:  # no bare trailing newline token: see blockspec.bench.datasets
+        p["prompt"] = p["prompt"].rstrip()
     params = SamplingParams(max_new_tokens=args.new_tokens)
     t0 = time.perf_counter()
     completions = []
@@ -42,16 +55,18 @@ def main() -> None:
         out = generate(target, [tok.encode(p["prompt"]) for p in chunk], params)
         completions += [cut_function(tok.decode(c.tokens)) for c in out.completions]
     elapsed = time.perf_counter() - t0
-    parsed = 0
+    parsed = with_body = 0
     for p, c in zip(problems, completions):
         try:
-            ast.parse(p["prompt"] + c)
-            parsed += 1
+            tree = ast.parse(p["prompt"] + c)
         except SyntaxError:
-            pass
+            continue
+        parsed += 1
+        with_body += has_body(tree, p["entry_point"])
     for p, c in list(zip(problems, completions))[:5]:
         print(f"### {p['task_id']}\n```python\n{p['prompt'].rstrip()}\n{c.rstrip()}\n```\n")
     print(json.dumps({"problems": len(problems), "ast_parse_ok": parsed, "fraction": round(parsed / len(problems), 4),
+                      "parsed_with_body": with_body, "fraction_with_body": round(with_body / len(problems), 4),
                       "new_tokens": args.new_tokens, "seconds": round(elapsed, 1)}))
 
 

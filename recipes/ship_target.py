@@ -79,8 +79,12 @@ Pretraining config of the shipped run (seed {cfg['seed']}):
 
 The run was started with `--max-steps 800 --eval-every 50`, restarted from its
 own state at step 100 with `--max-steps 1300 --eval-every 100`, and at step 200
-with `--max-steps 1100` (the command in `recipes/pretrain_target.sh`), to fit the
-session's time; the cosine schedule was still at its peak at both restarts.
+with `--max-steps 1100`, to fit the session's time (the cosine schedule was still
+at its peak at both restarts). After finishing 1100 steps it was resumed from its
+own state (weights + optimizer) with `--max-steps 1400` (the command in
+`recipes/pretrain_target.sh`): the schedule is a function of (step, max_steps), so
+the learning rate went from its 1100-step floor (1.5e-4) back to 3.0e-4 and decayed
+again to 1.5e-4 over the last 300 steps.
 Batches are drawn from the token stream with a generator seeded by
 (seed, step), so a resumed run sees the same data as an uninterrupted one.
 

@@ -159,12 +159,24 @@ def cmd_profile(args: argparse.Namespace) -> None:
     from blockspec.decoding.scheduler import profile_cost_table
     from blockspec.models.checkpoint import load_target
 
+    from blockspec.models.checkpoint import load_draft
+
     target = load_target(Path(args.target) if args.target else embedded.default_target(), dtype=args.dtype)
     ns = [int(x) for x in args.tokens.split(",")] if args.tokens else list(range(1, args.max_tokens + 1))
-    table = profile_cost_table(target, ns, repeats=args.repeats, rows=args.rows, context=args.context)
+    draft = None
+    if args.draft is not None:
+        draft_dir = embedded.default_draft("dspark") if args.draft == "embedded" else Path(args.draft)
+        draft = load_draft(draft_dir, dtype=args.dtype, target=target)
+    draft_rows = [int(x) for x in args.draft_rows.split(",")] if args.draft_rows else None
+    table = profile_cost_table(target, ns, repeats=args.repeats, rows=args.rows, context=args.context,
+                               capture=tuple(draft.config.target_layer_ids) if draft is not None else (),
+                               draft=draft, draft_rows=draft_rows)
     table.save(Path(args.out))
-    print(json.dumps({"out": args.out, "points": len(table.ns),
-                      "ms": {n: round(t * 1e3, 3) for n, t in zip(table.ns, table.times_s)}}))
+    report = {"out": args.out, "points": len(table.ns),
+              "ms": {n: round(t * 1e3, 3) for n, t in zip(table.ns, table.times_s)}}
+    if table.has_draft_times:
+        report["draft_ms"] = {r: round(t * 1e3, 3) for r, t in zip(table.draft_rows, table.draft_times_s)}
+    print(json.dumps(report))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -228,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--draft", default=None,
+                   help="also time draft rounds of this draft ('embedded' = the shipped DSpark draft), so the "
+                        "scheduled engine can skip drafting when a plain AR round is faster")
+    p.add_argument("--draft-rows", default=None, help="request counts to time draft rounds at (default 1,2,4,8,16,32)")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("calibrate", help="fit DSpark confidence temperatures (STS) on held-out rollouts")

@@ -30,6 +30,7 @@ def test_humaneval_has_164_problems_with_task_ids():
     assert prompts[0].id == "HumanEval/0" and prompts[-1].id == "HumanEval/163"
     assert all(isinstance(p, BenchPrompt) and p.text.strip() for p in prompts)
     assert "def has_close_elements" in prompts[0].text
+    assert prompts[0].text.endswith('"""'), "no bare trailing newline token (see the module docstring)"
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,8 @@ def test_heldout_from_corpus_dir(tmp_path):
                                           {"path": "pkg/b.py", "text": "x = 1\ny = 2\n"}])
     prompts = heldout_code(tmp_path, head_lines=1)
     assert [p.id for p in prompts] == ["pkg/a.py::A.f", "pkg/b.py::head"]
-    assert prompts[0].text == 'def f(self, x):\n    """Double x."""\n'
-    assert prompts[1].text == "x = 1\n"
+    assert prompts[0].text == 'def f(self, x):\n    """Double x."""'
+    assert prompts[1].text == "x = 1"
 
 
 def test_heldout_corpus_errors(tmp_path):

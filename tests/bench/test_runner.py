@@ -193,6 +193,19 @@ def test_throughput_vs_concurrency(tmp_path):
     assert (tmp_path / "tvc.png").is_file()
 
 
+def test_throughput_vs_concurrency_with_scheduled_dspark():
+    pytest.importorskip("blockspec.decoding.engine")
+    from blockspec.decoding.scheduler import CostTable
+
+    target = make_target()
+    dspark = make_draft(target, "deepspec", 3, markov_rank=4, confidence=True)
+    table = CostTable([1, 64], [1.0, 2.0], draft_rows=[1, 2], draft_times_s=[0.1, 0.2])
+    out = throughput_vs_concurrency(target, {"dspark": dspark}, [[1, 2, 3], [4, 5]], [1, 2],
+                                    SamplingParams(max_new_tokens=6, ignore_eos=True), scheduled_table=table)
+    assert set(out["tokens_per_s"]) == {"ar", "dspark", "dspark-scheduled"}
+    assert all(len(v) == 2 and min(v) > 0 for v in out["tokens_per_s"].values())
+
+
 def test_bad_arguments_fail_before_loading(models):
     common = dict(target_dir=models / "missing", datasets=["x.jsonl"], out_dir=models / "never")
     with pytest.raises(BlockspecError, match="unknown bench method"):

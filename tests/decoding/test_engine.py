@@ -29,7 +29,10 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
 MAX_NEW = [20, 12, 16, 20, 9, 20, 14, 18]
 # Synthetic verify cost: affine with a knee, so the planner picks 0..g drafts for different rows.
 SCHED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0])
-CONFIGS = ["ar", "dflash", "dspark", "dspark-scheduled"]
+# The same, plus draft times: drafting is cheap for one running request, too dear for more,
+# so the draft gate mixes drafted and plain AR rounds.
+GATED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0], draft_rows=[1, 2, 3], draft_times_s=[0.05, 3.0, 3.0])
+CONFIGS = ["ar", "dflash", "dspark", "dspark-scheduled", "dspark-gated"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def build(target, config: str, block_size: int = 4, max_running: int = 3, max_mo
     if config == "dflash":
         return Engine(target, make_draft(target, "zlab", block_size), "dflash", **kw)
     draft = make_draft(target, "deepspec", block_size, markov_rank=4, markov_type="gated", confidence=True)
-    table = SCHED_TABLE if config == "dspark-scheduled" else None
+    table = {"dspark-scheduled": SCHED_TABLE, "dspark-gated": GATED_TABLE}.get(config)
     return Engine(target, draft, "dspark", scheduled=table is not None, cost_table=table, **kw)
 
 
@@ -118,7 +121,12 @@ def test_greedy_with_arrivals_and_cancellations_equals_ar(monkeypatch, target64,
     assert (m["finished"], m["cancelled"]) == (6, 2)
     assert m["generated_tokens"] == sum(len(h.result().tokens) for h in handles.values())
     # ONE packed target forward and (speculative methods) ONE draft proposal per round.
-    assert packed[0] == m["rounds"] and proposals[0] == (0 if config == "ar" else m["rounds"])
+    drafted = m["rounds"] - m["undrafted_rounds"]
+    assert packed[0] == m["rounds"] and proposals[0] == (0 if config == "ar" else drafted)
+    if config == "dspark-gated":  # the gate really skipped some drafts and kept others
+        assert 0 < m["undrafted_rounds"] < m["rounds"]
+    else:
+        assert m["undrafted_rounds"] == 0
     if config == "dspark-scheduled":
         assert {0, 1, 4} <= set(m["verified_histogram"])  # per-row lengths vary, 0 drafts included
 
@@ -228,13 +236,16 @@ def sampling_engine(target, method: str) -> Engine:
     if method == "dflash":
         return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24)
     draft = make_draft(target, "deepspec", 3, seed=5, markov_rank=4, markov_type="gated", confidence=True)
-    return Engine(target, draft, "dspark", scheduled=True, cost_table=CostTable([1, 10000], [1.0, 51.0]),
-                  max_running=1024, max_model_len=24)
+    table = CostTable([1, 10000], [1.0, 51.0])
+    if method == "dspark-gated":  # drafting pays only with few running requests
+        table = CostTable([1, 10000], [1.0, 51.0], draft_rows=[1, 10000], draft_times_s=[0.01, 500.0])
+    return Engine(target, draft, "dspark", scheduled=True, cost_table=table, max_running=1024, max_model_len=24)
 
 
 @pytest.mark.parametrize("method, params", [
     ("dflash", SamplingParams(temperature=1.0)),
     ("dspark-scheduled", SamplingParams(temperature=0.7, top_p=0.8)),
+    ("dspark-gated", SamplingParams(temperature=1.0, top_k=6)),
 ])
 def test_batched_sampling_follows_target_distribution(target12, method, params):
     engine = sampling_engine(target12, method)
@@ -245,6 +256,8 @@ def test_batched_sampling_follows_target_distribution(target12, method, params):
     if method == "dspark-scheduled":  # the planner really varied the lengths
         assert all(m["verified_histogram"].get(k, 0) > 100 for k in range(4))
         assert sum(m["accepted_histogram"].get(k, 0) for k in (1, 2, 3)) > 200
+    if method == "dspark-gated":
+        assert 0 < m["undrafted_rounds"] < m["rounds"]
 
 
 def test_lossy_verifier_is_detected_under_batching(target12, monkeypatch):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from blockspec.decoding.scheduler import CostTable, model_signature, plan, profile_cost_table
+from blockspec.decoding.scheduler import CostTable, DraftGate, model_signature, plan, profile_cost_table
 from blockspec.errors import BlockspecError
 from conftest import make_target
 
@@ -153,3 +153,60 @@ def test_profile_measures_packed_verify_and_checks_target(tmp_path):
         table.check_target(make_target(dtype=torch.float32))
     with pytest.raises(BlockspecError, match="measured for"):
         table.check_target(make_target(dtype=torch.float64, layers=2))
+
+
+# -- the draft gate ---------------------------------------------------------------------
+
+GATE_TABLE = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 8.0])
+
+
+def test_gate_rates_known_answer():
+    gate = DraftGate(GATE_TABLE, window=3)        # optimistic start: 4 tokens, 3 drafts per request
+    spec, ar = gate.expected_rates(1)
+    assert ar == pytest.approx(1.0)
+    assert spec == pytest.approx(4 / (0.5 + 1.0))  # T(4) = 1.0
+    spec, ar = gate.expected_rates(16)
+    t_verify = 1.0 + 3.0 * (64 - 4) / 60           # T(64)
+    assert spec == pytest.approx(16 * 4 / (8.0 + t_verify))
+    assert ar == pytest.approx(16 / (1.0 + 3.0 * 12 / 60))
+
+
+def test_gate_drafts_when_it_pays_and_follows_measurements():
+    gate = DraftGate(GATE_TABLE, window=3)
+    assert gate.should_draft(1) and not gate.should_draft(16)
+    for _ in range(60):                        # drafts never accepted: 1 token per round
+        gate.update([3, 3], [0, 0])
+    assert gate.tokens_per_request == pytest.approx(1.0, abs=1e-2)
+    assert not gate.should_draft(1)
+    gate.update([], [])                        # an empty round changes nothing
+    assert gate.drafts_per_request == pytest.approx(3.0, abs=1e-2)
+
+
+def test_gate_without_draft_times_always_drafts():
+    gate = DraftGate(CostTable([1, 2], [1.0, 1.0]), window=3)
+    gate.tokens_per_request = 1.0
+    assert gate.should_draft(64)
+    with pytest.raises(BlockspecError, match="no draft times"):
+        gate.table.draft_time(1)
+
+
+def test_draft_times_round_trip_and_validation(tmp_path):
+    GATE_TABLE.save(tmp_path / "t.json")
+    back = CostTable.load(tmp_path / "t.json")
+    assert (back.draft_rows, back.draft_times_s) == ([1, 16], [0.5, 8.0])
+    assert float(back.draft_time(8)) == pytest.approx(0.5 + 7.5 * 7 / 15)
+    with pytest.raises(BlockspecError, match="'draft_rows' has 2 entries but 'draft_time_s' has 1"):
+        CostTable([1], [1.0], draft_rows=[1, 2], draft_times_s=[1.0])
+    with pytest.raises(BlockspecError, match="draft_rows must be strictly increasing"):
+        CostTable([1], [1.0], draft_rows=[2, 1], draft_times_s=[1.0, 2.0])
+
+
+def test_profile_with_a_draft_measures_draft_rounds():
+    from conftest import make_draft
+
+    target = make_target()
+    draft = make_draft(target, "zlab", 4)
+    table = profile_cost_table(target, [1, 2], repeats=1, rows=2, context=4, warmup=0, draft=draft,
+                               draft_rows=[2, 1])
+    assert table.draft_rows == [1, 2] and len(table.draft_times_s) == 2
+    assert all(t > 0 for t in table.draft_times_s)

@@ -82,3 +82,43 @@ def test_torchrun_two_processes_identical_params(setup, tmp_path):
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     assert r0["world"] == r1["world"] == 2
     assert r0["param_checksum"] == r1["param_checksum"]
+
+
+def test_warm_start_copies_the_targets_top_layer(setup):
+    """--init-from-target: the draft's context K/V equal what the copied target layer
+    computes from the deepest captured feature (same norm, same projections)."""
+    import torch
+
+    from blockspec.models.draft import DraftModel
+    from blockspec.training.trainer import draft_config_for, warm_start
+
+    target = load_target(setup / "target")
+    cfg = TrainConfig(method="dflash", target="t", data="d", block_size=4, num_layers=1)
+    draft = DraftModel(draft_config_for(cfg, target, mask_token_id=2))
+    warm_start(draft, target)
+    top = target.layers[-1]
+    for name, p in top.state_dict().items():
+        assert torch.equal(draft.layers[0].state_dict()[name], p), name
+    ids = torch.randint(0, target.config.vocab_size, (1, 7))
+    with torch.no_grad():
+        feats = target(ids, capture=tuple(draft.config.target_layer_ids)).features
+        deepest = max(draft.config.target_layer_ids)
+        h = target(ids, capture=(deepest,)).features
+        pos = torch.arange(7).unsqueeze(0)
+        k, v = draft.context_kv(feats, pos)[0]
+        cos, sin = target.rotary(pos, h.dtype)
+        k_ref, v_ref = top.self_attn.project_kv(top.input_layernorm(h), cos, sin)
+    torch.testing.assert_close(k, k_ref)
+    torch.testing.assert_close(v, v_ref)
+
+
+def test_warm_start_refuses_a_differently_shaped_draft(setup):
+    from blockspec.errors import BlockspecError
+    from blockspec.models.draft import DraftModel
+    from blockspec.training.trainer import draft_config_for, warm_start
+
+    target = load_target(setup / "target")
+    cfg = TrainConfig(method="dflash", target="t", data="d", block_size=4, num_layers=1,
+                      intermediate_size=target.config.intermediate_size + 8)
+    with pytest.raises(BlockspecError, match="layer shape"):
+        warm_start(DraftModel(draft_config_for(cfg, target, mask_token_id=2)), target)

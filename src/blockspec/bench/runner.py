@@ -346,8 +346,10 @@ def _cost_table(target: TargetModel, drafts: Sequence[DraftModel], path: str | P
         return table
     window = max(d.config.num_drafts for d in drafts) + 1
     capture = tuple(drafts[0].config.target_layer_ids)
-    table = profile_cost_table(target, list(range(1, window + 1)), repeats=3, rows=1, capture=capture)
-    notes.append(f"dspark-scheduled: cost table profiled at start (n = 1..{window}, batch 1, median of 3)")
+    table = profile_cost_table(target, list(range(1, window + 1)), repeats=3, rows=1, capture=capture,
+                               draft=drafts[0], draft_rows=[1])
+    notes.append(f"dspark-scheduled: cost table profiled at start (n = 1..{window} and one draft round, "
+                 "batch 1, median of 3)")
     return table
 
 
@@ -705,13 +707,15 @@ def _progress(enabled: bool, total: int) -> Iterator[Callable[[str], None]]:
 # ====================================================================== concurrency hook
 def throughput_vs_concurrency(target: TargetModel, drafts: Mapping[str, DraftModel | None],
                               prompts: Sequence[list[int]], levels: Sequence[int], params: SamplingParams,
-                              out_path: str | Path | None = None) -> dict[str, Any] | None:
+                              out_path: str | Path | None = None, scheduled_table: Any = None
+                              ) -> dict[str, Any] | None:
     """Aggregate tokens/s of the continuous-batching engine at each concurrency level.
 
     For each method (`ar` plus every given draft) and level c, a fresh engine with
     max_running = c runs max(4, 2c) requests (prompts cycled) to completion, so the
     pool is refilled at least once (the protocol of benchmarks/engine_throughput.py).
-    tokens/s = generated tokens / wall time. Returns
+    With `scheduled_table` (a CostTable) and a DSpark draft, "dspark-scheduled" runs
+    too. tokens/s = generated tokens / wall time. Returns
     {"concurrency", "tokens_per_s": {method: [...]}} (and writes the plot when
     `out_path` is given), or None when `blockspec.decoding.engine` is unavailable."""
     try:
@@ -722,16 +726,23 @@ def throughput_vs_concurrency(target: TargetModel, drafts: Mapping[str, DraftMod
         raise BlockspecError("throughput_vs_concurrency needs prompts and concurrency levels >= 1")
     max_len = max(len(p) for p in prompts) + params.max_new_tokens
     tps: dict[str, list[float]] = {}
-    for method, draft in [("ar", None)] + [(m, d) for m, d in drafts.items() if d is not None]:
-        tps[method] = []
+    arms = [("ar", None)] + [(m, d) for m, d in drafts.items() if d is not None]
+    dspark = drafts.get("dspark")
+    if scheduled_table is not None and dspark is not None and dspark.confidence_head is not None:
+        arms.append(("dspark-scheduled", dspark))
+    for name, draft in arms:
+        tps[name] = []
+        method = name.removesuffix("-scheduled")
         for c in levels:
-            engine = Engine(target, draft, method=method, max_running=c, max_model_len=max_len)
+            engine = Engine(target, draft, method=method, max_running=c, max_model_len=max_len,
+                            scheduled=name.endswith("-scheduled"),
+                            cost_table=scheduled_table if name.endswith("-scheduled") else None)
             batch = [list(prompts[i % len(prompts)]) for i in range(max(4, 2 * c))]
             _sync(target.device)
             t0 = time.perf_counter()
             completions = engine.generate(batch, params)
             _sync(target.device)
-            tps[method].append(sum(len(x.tokens) for x in completions) / (time.perf_counter() - t0))
+            tps[name].append(sum(len(x.tokens) for x in completions) / (time.perf_counter() - t0))
     if out_path is not None:
         plots.plot_throughput_vs_concurrency(list(levels), tps, out_path)
     return {"concurrency": list(levels), "tokens_per_s": tps}
@@ -821,7 +832,20 @@ def _concurrency(setup: BenchSetup, prompt_ids: list[list[int]], levels: Sequenc
         return None, []
     path = setup.out_dir / "throughput_vs_concurrency.png"
     params = setup.params(setup.temperatures[0], 1)[0]
-    result = throughput_vs_concurrency(setup.target, setup.drafts, prompt_ids, list(levels), params, path)
+    table = None
+    dspark = setup.drafts.get("dspark")
+    if "dspark-scheduled" in setup.methods and dspark is not None and dspark.confidence_head is not None:
+        from blockspec.decoding.scheduler import profile_cost_table
+
+        window = max(levels) * (dspark.config.num_drafts + 1)
+        ns = sorted({1, window} | {2 ** i for i in range(window.bit_length()) if 2 ** i < window})
+        table = profile_cost_table(setup.target, ns, repeats=3, rows=min(16, max(levels)),
+                                   capture=tuple(dspark.config.target_layer_ids), draft=dspark,
+                                   draft_rows=sorted(set(levels)))
+        notes.append(f"throughput vs concurrency: dspark-scheduled plans with a cost table profiled at start "
+                     f"(n = {ns[0]}..{ns[-1]}, draft rounds at {sorted(set(levels))} requests)")
+    result = throughput_vs_concurrency(setup.target, setup.drafts, prompt_ids, list(levels), params, path,
+                                       scheduled_table=table)
     if result is None:
         notes.append("throughput vs concurrency skipped: blockspec.decoding.engine is not available")
         return None, []

@@ -34,7 +34,7 @@ from blockspec.config import SamplingParams
 from blockspec.decoding.generate import Completion, RowState, check_method
 from blockspec.decoding.kv_cache import KVCache
 from blockspec.decoding.sampling import RowSampler, Verdict, verify
-from blockspec.decoding.scheduler import CostTable, plan
+from blockspec.decoding.scheduler import CostTable, DraftGate, plan
 from blockspec.decoding.speculate import Proposal, prefill, propose
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
@@ -64,7 +64,7 @@ def verify_packed(target: TargetModel, cache: KVCache, anchors: torch.Tensor, pr
     # Verify up to the widest row only (the full window unless scheduled). Rows keep
     # their own generators, so full-window rounds draw the same uniforms as generate().
     g = int(num_drafts.max()) if r else 0
-    proposal = Proposal(proposal.tokens[:, :g], proposal.probs[:, :g], None)
+    proposal = Proposal(proposal.tokens[:, :g], None if proposal.probs is None else proposal.probs[:, :g], None)
     seq = torch.cat([anchors.unsqueeze(1), proposal.tokens], dim=1)        # [R, g+1]
     valid = torch.arange(g + 1, device=seq.device).unsqueeze(0) <= num_drafts.unsqueeze(1)
     capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
@@ -265,6 +265,10 @@ class Engine:
         self.target, self.method, self.rule, self.tokenizer = target, method, rule, tokenizer
         self.draft = draft if method != "ar" else None
         self.cost_table = cost_table if scheduled else None
+        # Scheduled mode also decides whether a round drafts at all (needs draft times in the table).
+        self._gate = (DraftGate(cost_table, draft.config.num_drafts)
+                      if scheduled and cost_table is not None and draft is not None and cost_table.has_draft_times
+                      else None)
         self.max_model_len = self._model_len(max_model_len)
         margin = self.draft.config.block_size + 2 if self.draft is not None else 2
         self.slot_capacity = self.max_model_len + margin
@@ -452,6 +456,7 @@ class Engine:
                 "rejected": s["rejected"], "failed": s["failed"],
                 "prompt_tokens": s["prompt_tokens"], "generated_tokens": s["generated_tokens"],
                 "prefill_batches": s["prefill_batches"], "rounds": s["rounds"], "request_rounds": rounds,
+                "undrafted_rounds": s["undrafted_rounds"],
                 "verified_tokens": s["verified_tokens"], "drafts_verified": s["drafts_verified"],
                 "drafts_accepted": s["drafts_accepted"],
                 "tau": (s["drafts_accepted"] + rounds) / rounds if rounds else 0.0,
@@ -521,7 +526,8 @@ class Engine:
         sampler = batch_sampler([r.params for r in reqs], [r.generator for r in reqs], device)
         t0 = time.perf_counter()
         proposal = None
-        if self.draft is not None:
+        drafting = self.draft is not None and (self._gate is None or self._gate.should_draft(len(reqs)))
+        if drafting:
             proposal = propose(self.draft, self.target, draft_view, anchors, sampler)
         t1 = time.perf_counter()
         lens = self._plan(proposal, len(reqs))
@@ -530,6 +536,12 @@ class Engine:
                                 self.rule)
         t3 = time.perf_counter()
         self._commit(reqs, proposal, lens, verdict)
+        if self._gate is not None:
+            if drafting:
+                self._gate.update(lens.tolist(), verdict.accepted.tolist())
+            else:
+                with self._lock:
+                    self._stats["undrafted_rounds"] += 1
         self._times["draft"] += t1 - t0
         self._times["plan"] += t2 - t1
         self._times["verify"] += t3 - t2

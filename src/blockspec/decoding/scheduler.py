@@ -17,13 +17,16 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from blockspec.config import read_json
 from blockspec.errors import BlockspecError
 from blockspec.models.target import TargetModel
+
+if TYPE_CHECKING:
+    from blockspec.models.draft import DraftModel
 
 TABLE_FORMAT = "blockspec-cost-table"
 TABLE_VERSION = 1
@@ -47,12 +50,44 @@ def machine_signature(device: torch.device | str) -> str:
     return f"{device.type} {platform.machine()} {os.cpu_count()} cpus torch {torch.__version__}"
 
 
+def check_points(xs: Any, ys: Any, x_name: str, y_name: str, where: str = "cost table") -> None:
+    """xs: strictly increasing positive ints; ys: as many positive finite seconds."""
+    if not isinstance(xs, list) or not isinstance(ys, list) or not xs:
+        raise BlockspecError(f"{where}: '{x_name}' and '{y_name}' must be non-empty lists")
+    if len(xs) != len(ys):
+        raise BlockspecError(f"{where}: '{x_name}' has {len(xs)} entries but '{y_name}' has {len(ys)}")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in xs):
+        raise BlockspecError(f"{where}: every {x_name} must be a positive integer, got {xs}")
+    if any(b <= a for a, b in zip(xs, xs[1:])):
+        raise BlockspecError(f"{where}: {x_name} must be strictly increasing, got {xs}")
+    if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in ys):
+        raise BlockspecError(f"{where}: every {y_name} must be a positive finite number, got {ys}")
+
+
+def interpolate(xs: list[int], ys: list[float], n: torch.Tensor | int) -> torch.Tensor:
+    """Piecewise-linear y(n), float64: y(xs[0]) below the first point; past the last
+    point the last segment's slope continues, never falling (no free tokens)."""
+    n = torch.as_tensor(n, dtype=torch.float64)
+    x = torch.tensor(xs, dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64)
+    if len(x) == 1:
+        return torch.full_like(n, float(y[0]))
+    i = torch.searchsorted(x, n.clamp(min=x[0]).contiguous()).clamp(1, len(x) - 1)
+    x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
+    slope = (y1 - y0) / (x1 - x0)
+    inside = y0 + slope * (n.clamp(min=x[0]) - x0)
+    beyond = y1 + slope.clamp(min=0) * (n - x1)
+    return torch.where(n > x[-1], beyond, inside)
+
+
 @dataclass
 class CostTable:
     """Verify forward time `times_s[i]` (seconds) for `ns[i]` packed tokens; n strictly increasing.
 
-    Between measured points T is interpolated linearly; below the first point it is
-    T(ns[0]); above the last it continues the last segment's slope (never decreasing)."""
+    Optionally also the draft round time `draft_times_s[i]` (one draft forward plus
+    its sampling) for `draft_rows[i]` requests, which lets the engine skip drafting
+    when a plain AR round is expected to be faster (see `DraftGate`). Between
+    measured points times are interpolated linearly (see `interpolate`)."""
 
     ns: list[int]
     times_s: list[float]
@@ -60,39 +95,32 @@ class CostTable:
     dtype: str = ""
     machine: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    draft_rows: list[int] = field(default_factory=list)
+    draft_times_s: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        where = "cost table"
-        if not isinstance(self.ns, list) or not isinstance(self.times_s, list) or not self.ns:
-            raise BlockspecError(f"{where}: 'n' and 'time_s' must be non-empty lists")
-        if len(self.ns) != len(self.times_s):
-            raise BlockspecError(f"{where}: 'n' has {len(self.ns)} entries but 'time_s' has {len(self.times_s)}")
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.ns):
-            raise BlockspecError(f"{where}: every n must be a positive integer, got {self.ns}")
-        if any(b <= a for a, b in zip(self.ns, self.ns[1:])):
-            raise BlockspecError(f"{where}: n must be strictly increasing, got {self.ns}")
-        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
-                   for t in self.times_s):
-            raise BlockspecError(f"{where}: every time_s must be a positive finite number, got {self.times_s}")
+        check_points(self.ns, self.times_s, "n", "time_s")
+        if self.draft_rows or self.draft_times_s:
+            check_points(self.draft_rows, self.draft_times_s, "draft_rows", "draft_time_s")
         for name in ("model", "dtype", "machine"):
             if not isinstance(getattr(self, name), str):
-                raise BlockspecError(f"{where}: '{name}' must be a string")
+                raise BlockspecError(f"cost table: '{name}' must be a string")
         self.times_s = [float(t) for t in self.times_s]
+        self.draft_times_s = [float(t) for t in self.draft_times_s]
 
     def time(self, n: torch.Tensor | int) -> torch.Tensor:
-        """Interpolated T(n) in seconds, float64, same shape as n."""
-        n = torch.as_tensor(n, dtype=torch.float64)
-        xs = torch.tensor(self.ns, dtype=torch.float64)
-        ys = torch.tensor(self.times_s, dtype=torch.float64)
-        if len(xs) == 1:
-            return torch.full_like(n, float(ys[0]))
-        i = torch.searchsorted(xs, n.clamp(min=xs[0]).contiguous()).clamp(1, len(xs) - 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        slope = (y1 - y0) / (x1 - x0)
-        inside = y0 + slope * (n.clamp(min=xs[0]) - x0)
-        # Past the last measurement keep the last slope, never falling (no free tokens).
-        beyond = y1 + slope.clamp(min=0) * (n - x1)
-        return torch.where(n > xs[-1], beyond, inside)
+        """Interpolated verify time T(n) in seconds, float64, same shape as n."""
+        return interpolate(self.ns, self.times_s, n)
+
+    @property
+    def has_draft_times(self) -> bool:
+        return bool(self.draft_rows)
+
+    def draft_time(self, rows: torch.Tensor | int) -> torch.Tensor:
+        """Interpolated draft round time for `rows` requests (needs draft times)."""
+        if not self.draft_rows:
+            raise BlockspecError("this cost table has no draft times (profile it with a draft)")
+        return interpolate(self.draft_rows, self.draft_times_s, rows)
 
     def sps(self, n: torch.Tensor | int) -> torch.Tensor:
         """Verify steps per second, 1 / T(n)."""
@@ -109,8 +137,11 @@ class CostTable:
 
     # -- JSON ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "model": self.model, "dtype": self.dtype,
-                "machine": self.machine, "n": self.ns, "time_s": self.times_s, "meta": self.meta}
+        out = {"format": TABLE_FORMAT, "version": TABLE_VERSION, "model": self.model, "dtype": self.dtype,
+               "machine": self.machine, "n": self.ns, "time_s": self.times_s, "meta": self.meta}
+        if self.draft_rows:
+            out.update(draft_rows=self.draft_rows, draft_time_s=self.draft_times_s)
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "cost table") -> "CostTable":
@@ -126,7 +157,8 @@ class CostTable:
         if not isinstance(meta, dict):
             raise BlockspecError(f"{where}: 'meta' must be an object")
         try:
-            return cls(raw["n"], raw["time_s"], raw["model"], raw["dtype"], raw["machine"], meta)
+            return cls(raw["n"], raw["time_s"], raw["model"], raw["dtype"], raw["machine"], meta,
+                       raw.get("draft_rows", []), raw.get("draft_time_s", []))
         except BlockspecError as exc:
             raise BlockspecError(f"{where}: {exc}") from None
 
@@ -160,6 +192,45 @@ def plan(survival: torch.Tensor, table: CostTable | None) -> torch.Tensor:
     return lens.to(survival.device)
 
 
+class DraftGate:
+    """Whether a scheduled round should draft at all.
+
+    Under load a 16-token draft window costs a draft forward plus a wider verify
+    even when the planner trims it; when a plain AR round (every request verifies
+    its anchor only) is expected to produce more tokens per second, the round
+    skips the draft. Expected rates come from the cost table (verify and draft
+    times) and a running mean of what drafting rounds delivered per request
+    (tokens and verified drafts), started optimistically at a full accepted window
+    so that the engine drafts until it has measured. The decision uses only past
+    rounds, never the current round's draws, and AR rounds are lossless, so the
+    output distribution is unchanged; the draft context is still extended after
+    an AR round (its features come from the verify forward)."""
+
+    def __init__(self, table: CostTable, window: int, momentum: float = 0.9) -> None:
+        self.table, self.momentum = table, momentum
+        self.tokens_per_request = 1.0 + window   # optimistic start: draft until measured
+        self.drafts_per_request = float(window)
+
+    def expected_rates(self, rows: int) -> tuple[float, float]:
+        """(speculative, AR) expected tokens per second for `rows` running requests."""
+        t_spec = self.table.draft_time(rows) + self.table.time(rows * (1.0 + self.drafts_per_request))
+        return float(rows * self.tokens_per_request / t_spec), float(rows / self.table.time(rows))
+
+    def should_draft(self, rows: int) -> bool:
+        if not self.table.has_draft_times or rows == 0:
+            return True
+        spec, ar = self.expected_rates(rows)
+        return spec > ar
+
+    def update(self, verified: list[int], accepted: list[int]) -> None:
+        """Record a drafting round: drafts verified and accepted per request."""
+        if not verified:
+            return
+        m = self.momentum
+        self.tokens_per_request = m * self.tokens_per_request + (1 - m) * (1 + sum(accepted) / len(accepted))
+        self.drafts_per_request = m * self.drafts_per_request + (1 - m) * sum(verified) / len(verified)
+
+
 def _split(n: int, rows: int) -> torch.Tensor:
     """n tokens over `rows` rows as evenly as possible (each row >= 1)."""
     base = torch.full((rows,), n // rows, dtype=torch.long)
@@ -175,7 +246,8 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def profile_cost_table(target: TargetModel, ns: list[int], repeats: int = 5, *, rows: int = 8,
                        context: int = 128, capture: tuple[int, ...] = (), warmup: int = 2,
-                       seed: int = 0) -> CostTable:
+                       seed: int = 0, draft: "DraftModel | None" = None,
+                       draft_rows: list[int] | None = None) -> CostTable:
     """Measure the packed verify forward (`TargetModel.forward_packed`) for each n.
 
     n tokens are spread over min(n, rows) rows, each already holding `context`
@@ -203,6 +275,43 @@ def profile_cost_table(target: TargetModel, ns: list[int], repeats: int = 5, *, 
             if i >= warmup:
                 samples.append(time.perf_counter() - t0)
         times.append(sorted(samples)[len(samples) // 2])
+    d_rows, d_times = [], []
+    if draft is not None:
+        d_rows = sorted(set(int(r) for r in (draft_rows or [1, 2, 4, 8, 16, 32])))
+        d_times = profile_draft(target, draft, d_rows, repeats=repeats, context=context, warmup=warmup, seed=seed)
     return CostTable(ns, times, model=model_signature(target), dtype=dtype_name(target.dtype),
                      machine=machine_signature(device),
-                     meta={"rows": rows, "context": context, "repeats": repeats, "capture": list(capture)})
+                     meta={"rows": rows, "context": context, "repeats": repeats, "capture": list(capture)},
+                     draft_rows=d_rows, draft_times_s=d_times)
+
+
+@torch.inference_mode()
+def profile_draft(target: TargetModel, draft: "DraftModel", rows_list: list[int], repeats: int = 5, *,
+                  context: int = 128, warmup: int = 2, seed: int = 0) -> list[float]:
+    """Median time of one draft round (`speculate.propose`, greedy) for each number of rows."""
+    from blockspec.config import SamplingParams
+    from blockspec.decoding.sampling import RowSampler
+    from blockspec.decoding.speculate import propose
+
+    device = target.device
+    gen = torch.Generator().manual_seed(seed)
+    feat_dim = len(draft.config.target_layer_ids) * draft.config.hidden_size
+    times = []
+    for r in rows_list:
+        if r < 1:
+            raise BlockspecError("profile_draft: every row count must be >= 1")
+        cache = draft.new_cache(r, context + draft.config.block_size + 1)
+        feats = torch.randn(r, context, feat_dim, generator=gen).to(device=device, dtype=draft.dtype)
+        draft.append_context(cache, feats, context)
+        anchors = torch.randint(0, target.config.vocab_size, (r,), generator=gen).to(device)
+        sampler = RowSampler.from_params([SamplingParams()] * r, device)
+        samples = []
+        for i in range(warmup + repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            propose(draft, target, cache, anchors, sampler)
+            _sync(device)
+            if i >= warmup:
+                samples.append(time.perf_counter() - t0)
+        times.append(sorted(samples)[len(samples) // 2])
+    return times

@@ -22,7 +22,8 @@ from blockspec.models.target import TargetModel
 @dataclass
 class Proposal:
     tokens: torch.Tensor                # [R, g] drafted tokens
-    probs: torch.Tensor                 # [R, g, V] the exact distributions they were drawn from
+    probs: torch.Tensor | None          # [R, g, V] the exact distributions they were drawn from
+                                        # (None when every row is greedy: verification only compares tokens)
     confidence: torch.Tensor | None     # [R, g] per-slot acceptance probability (DSpark)
 
 
@@ -55,8 +56,9 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
     hidden = draft.block_hidden(block, draft_cache, target.embed_tokens)
     slots = hidden[:, cfg.first_draft_slot:cfg.first_draft_slot + g]
     base = target.lm_head(slots.to(target.dtype)).float()
+    greedy = sampler.all_greedy
     if draft.markov_head is None:
-        tokens, probs = sample(base, sampler)
+        tokens, probs = (base.argmax(-1), None) if greedy else sample(base, sampler)
         prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
     else:
         # Semi-autoregressive: slot k's logits depend on the token drafted at k-1.
@@ -65,12 +67,17 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
         prev_tok, toks, dists, prevs = anchors, [], [], []
         for k in range(g):
             bias, state = head.step(prev_tok, slots[:, k], state)
-            tok, dist = sample((base[:, k] + bias.float()).unsqueeze(1), sampler)
+            logits_k = base[:, k] + bias.float()
+            if greedy:  # no distribution needed: the greedy rule compares tokens only
+                tok = logits_k.argmax(-1, keepdim=True)
+            else:
+                tok, dist = sample(logits_k.unsqueeze(1), sampler)
+                dists.append(dist)
             prevs.append(prev_tok)
             prev_tok = tok[:, 0]
             toks.append(tok)
-            dists.append(dist)
-        tokens, probs, prev = torch.cat(toks, 1), torch.cat(dists, 1), torch.stack(prevs, 1)
+        tokens, prev = torch.cat(toks, 1), torch.stack(prevs, 1)
+        probs = torch.cat(dists, 1) if dists else None
     confidence = draft.confidence(slots, prev) if draft.confidence_head is not None else None
     return Proposal(tokens, probs, confidence)
 

@@ -48,6 +48,7 @@ class TrainConfig:
     markov_rank: int = 64
     markov_head_type: str = "vanilla"
     confidence: bool = True
+    init_from_target: bool = False      # warm start: draft layers = the target's last layers (see warm_start)
     loss_decay: float = 0.0             # 0 = the reference value for the block size
     num_anchors: int = 32
     batch_size: int = 4
@@ -106,6 +107,30 @@ def draft_config_for(cfg: TrainConfig, target: TargetModel, mask_token_id: int) 
         rms_norm_eps=tc.rms_norm_eps, rope=tc.rope,
         markov_rank=cfg.markov_rank if dspark else 0, markov_head_type=cfg.markov_head_type,
         enable_confidence_head=dspark and cfg.confidence)
+
+
+@torch.no_grad()
+def warm_start(draft: DraftModel, target: TargetModel) -> None:
+    """Start the draft as a copy of the target's top: draft layer i takes the weights
+    of target layer L-n+i, `fc` passes the deepest captured feature through, and
+    `hidden_norm` is that layer's input norm. The context K/V then equal what the
+    copied target layer would compute from that feature; training starts from a
+    model that already maps hidden states to the shared lm_head."""
+    dc, tc = draft.config, target.config
+    n = dc.num_hidden_layers
+    if (dc.hidden_size, dc.intermediate_size, dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim) != (
+            tc.hidden_size, tc.intermediate_size, tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim):
+        raise BlockspecError("train: --init-from-target needs the draft's layer shape to equal the target's")
+    if tc.qkv_bias or tc.o_bias or not tc.qk_norm:
+        raise BlockspecError("train: --init-from-target needs a Qwen3-style target (q/k norm, no biases)")
+    for i, layer in enumerate(draft.layers):
+        layer.load_state_dict(target.layers[tc.num_hidden_layers - n + i].state_dict())
+    deepest = max(range(len(dc.target_layer_ids)), key=lambda j: dc.target_layer_ids[j])
+    h = dc.hidden_size
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, deepest * h:(deepest + 1) * h] = torch.eye(h)
+    draft.hidden_norm.weight.copy_(target.layers[tc.num_hidden_layers - n].input_layernorm.weight)
+    draft.norm.weight.copy_(target.norm.weight)
 
 
 def block_loss(draft: DraftModel, target: TargetModel, ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -201,6 +226,8 @@ def train(cfg: TrainConfig) -> dict:
         draft = load_draft(cfg.init_from, target=target).requires_grad_(True)
     else:
         draft = DraftModel(draft_config_for(cfg, target, tokenizer.mask_token_id))
+        if cfg.init_from_target:
+            warm_start(draft, target)
     draft.to(device).train()
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
