@@ -536,12 +536,6 @@ class Engine:
                                 self.rule)
         t3 = time.perf_counter()
         self._commit(reqs, proposal, lens, verdict)
-        if self._gate is not None:
-            if drafting:
-                self._gate.update(lens.tolist(), verdict.accepted.tolist())
-            else:
-                with self._lock:
-                    self._stats["undrafted_rounds"] += 1
         self._times["draft"] += t1 - t0
         self._times["plan"] += t2 - t1
         self._times["verify"] += t3 - t2
@@ -558,6 +552,8 @@ class Engine:
                 verdict: Verdict) -> None:
         accepted, bonus, verified = verdict.accepted.tolist(), verdict.bonus.tolist(), lens.tolist()
         drafted = proposal.tokens.tolist() if proposal is not None else [[] for _ in reqs]
+        if self._gate is not None and proposal is not None:
+            self._gate.update(verified, accepted)
         for i, req in enumerate(reqs):
             req.state.stats.verified.append(verified[i])
             req.state.stats.accepted.append(accepted[i])
@@ -566,6 +562,8 @@ class Engine:
         with self._lock:
             self._stats["rounds"] += 1
             self._stats["request_rounds"] += len(reqs)
+            # A speculative engine's round without a proposal: the draft gate chose AR.
+            self._stats["undrafted_rounds"] += int(self.draft is not None and proposal is None)
             self._stats["verified_tokens"] += sum(verified) + len(reqs)
             self._stats["drafts_verified"] += sum(verified)
             self._stats["drafts_accepted"] += sum(accepted)
