@@ -1,7 +1,11 @@
 """AR decode tokens/s: blockspec's native target vs transformers' generate, same
 checkpoint, same run, interleaved. Prints a Markdown table.
 
-    python benchmarks/ar_vs_transformers.py [--target DIR] [--new-tokens 128] [--repeats 3]
+Native arms: eager, and (unless --no-compile) the torch.compile'd decode step
+(`generate(..., compile=True)`); its one-off compile is done before timing and
+reported separately.
+
+    python benchmarks/ar_vs_transformers.py [--target DIR] [--new-tokens 128] [--repeats 3] [--no-compile]
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ import torch
 from blockspec import SamplingParams, Tokenizer, embedded, generate, load_target
 
 
-def time_native(model, prompts, new_tokens):
+def time_native(model, prompts, new_tokens, compile=False):
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    out = generate(model, prompts, params)
+    out = generate(model, prompts, params, compile=compile)
     return out.new_tokens / (time.perf_counter() - t0)
 
 
@@ -41,29 +45,42 @@ def main() -> None:
     ap.add_argument("--target", default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled native arm")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     path = args.target or str(embedded.default_target())
     native = load_target(path)
+    compiled = None if args.no_compile else load_target(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = Tokenizer(path)
     base = ["def fib(n):", "import os\nimport sys\n\n\ndef main(argv):", "class Stack:\n    def __init__(self):"]
     rows = []
+    compile_s = {}
     for batch in (1, 8):
         prompts = [tok.encode(base[i % len(base)]) for i in range(batch)]
-        nat, ref = [], []
-        for _ in range(args.repeats):  # interleaved so drift hits both equally
+        if compiled is not None:  # compile (once per batch size) outside the timed runs
+            t0 = time.perf_counter()
+            time_native(compiled, prompts, args.new_tokens, compile=True)
+            compile_s[batch] = time.perf_counter() - t0
+        nat, comp, ref = [], [], []
+        for _ in range(args.repeats):  # interleaved so drift hits every arm equally
             nat.append(time_native(native, prompts, args.new_tokens))
+            if compiled is not None:
+                comp.append(time_native(compiled, prompts, args.new_tokens, compile=True))
             ref.append(time_hf(hf, prompts, args.new_tokens, tok.pad_token_id or 0))
-        n, h = sorted(nat)[len(nat) // 2], sorted(ref)[len(ref) // 2]
-        rows.append((batch, n, h))
+        med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
+        rows.append((batch, med(nat), med(comp), med(ref)))
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, new tokens {args.new_tokens}, median of {args.repeats}")
-    print("| batch | blockspec tok/s | transformers tok/s | ratio |")
-    print("|---|---|---|---|")
-    for batch, n, h in rows:
-        print(f"| {batch} | {n:.1f} | {h:.1f} | {n / h:.2f}x |")
+          f"torch {torch.__version__}, float32, new tokens {args.new_tokens}, median of {args.repeats}")
+    print("| batch | blockspec eager tok/s | blockspec compiled tok/s | transformers tok/s "
+          "| eager / transformers | compiled / transformers |")
+    print("|---|---|---|---|---|---|")
+    for batch, n, c, h in rows:
+        print(f"| {batch} | {n:.1f} | {c:.1f} | {h:.1f} | {n / h:.2f}x | {c / h:.2f}x |")
+    if compile_s:
+        print("\ncompiled arm: first call (compile + 128 tokens) took "
+              + ", ".join(f"{s:.0f} s at batch {b}" for b, s in compile_s.items()))
 
 
 if __name__ == "__main__":

@@ -95,6 +95,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens)
+    if args.compile and args.method != "ar":
+        raise BlockspecError("--compile applies to --method ar (speculative rounds run eagerly)")
     target, tokenizer, draft = load_models(args)
     text = args.prompt
     if args.chat:
@@ -110,7 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     out = generate(target, [prompt_ids], params, draft=draft, method=args.method, rule=args.rule,
-                   on_tokens=on_tokens)
+                   on_tokens=on_tokens, compile=args.compile)
     elapsed = time.perf_counter() - t0
     sys.stdout.write("\n")
     if args.stats:
@@ -221,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rule", choices=["rejection", "match"], default="rejection",
                    help="acceptance rule when sampling (both lossless; rejection accepts more)")
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
+    p.add_argument("--compile", action="store_true",
+                   help="AR only: torch.compile the decode step (slow first step, faster after)")
     p.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(func=cmd_generate)
 

@@ -13,6 +13,7 @@ from blockspec.config import SamplingParams
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import load_target, save_target
+from conftest import make_target
 
 HF = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
@@ -115,3 +116,36 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path, mutate, message):
     mutate(path)
     with pytest.raises(BlockspecError, match=message):
         load_target(path)
+
+
+@pytest.mark.parametrize("lengths", [[5], [3, 9, 6]])
+def test_static_decode_step_equals_forward(target, lengths):
+    """The shape-static step that compile_decode captures (full-capacity attention under a
+    length mask) gives the logits of the ordinary one-token forward, row by row."""
+    torch.manual_seed(0)
+    vocab = target.config.vocab_size
+    caches = [target.new_cache(len(lengths), 32) for _ in range(2)]
+    prompts = torch.randint(0, vocab, (len(lengths), max(lengths)))
+    lens = torch.tensor(lengths)
+    for cache in caches:
+        target(prompts, cache, num_new=lens)
+    tokens = torch.randint(0, vocab, (len(lengths),))
+    with torch.no_grad():
+        for _ in range(3):
+            ref = target(tokens.unsqueeze(1), caches[0]).logits
+            got = target._decode_logits(tokens, caches[1])
+            caches[1].advance(1)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+            assert torch.equal(caches[0].lengths, caches[1].lengths)
+            tokens = ref[:, -1].argmax(-1)
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager_greedy():
+    target = make_target()  # its own model: compile_decode stays attached to it
+    prompts = [[3, 4, 5], [7, 1, 2, 9, 4, 8]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    eager = generate(target, prompts, params)
+    compiled = generate(target, prompts, params, compile=True)
+    assert target.decode_compiled
+    assert [c.tokens for c in compiled.completions] == [c.tokens for c in eager.completions]

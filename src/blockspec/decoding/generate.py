@@ -122,8 +122,12 @@ def check_lengths(target: TargetModel, prompts: list[list[int]], params: list[Sa
 @torch.inference_mode()
 def generate(target: TargetModel, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
              draft: DraftModel | None = None, method: str | None = None, rule: str = "rejection",
-             on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerationOutput:
-    """Generate for a batch of tokenised prompts. `on_tokens(row, tokens)` streams output."""
+             on_tokens: Callable[[int, list[int]], None] | None = None,
+             compile: bool = False) -> GenerationOutput:
+    """Generate for a batch of tokenised prompts. `on_tokens(row, tokens)` streams output.
+
+    compile: AR decoding runs the target's torch.compile'd one-token step
+    (`TargetModel.compile_decode`, kept on the model for later calls)."""
     method = method or ("ar" if draft is None else ("dspark" if draft.config.is_dspark else "dflash"))
     check_method(method, draft)
     if method == "ar":
@@ -137,6 +141,12 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     states = [RowState(p, eos) for p in params]
     width = draft.config.block_size + 1 if draft is not None else 1
     capacity = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)) + width + 1
+    if method == "ar" and compile:
+        target.compile_decode()
+    if method == "ar" and target.decode_compiled:
+        # The compiled step's shapes include the capacity: round it up to a power of two
+        # so nearby prompt lengths share one graph.
+        capacity = max(256, 1 << (capacity - 1).bit_length())
     cache = target.new_cache(len(prompts), capacity)
     draft_cache = draft.new_cache(len(prompts), capacity + width) if draft is not None else None
     sampler = RowSampler.from_params(params, target.device)

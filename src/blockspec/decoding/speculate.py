@@ -16,7 +16,7 @@ import torch
 from blockspec.decoding.kv_cache import KVCache
 from blockspec.decoding.sampling import RowSampler, Verdict, sample, verify
 from blockspec.models.draft import DraftModel
-from blockspec.models.target import TargetModel
+from blockspec.models.target import TargetModel, TargetOutput
 
 
 @dataclass
@@ -93,7 +93,10 @@ def verify_and_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor
         seq = torch.cat([anchors.unsqueeze(1), proposal.tokens], dim=1)
         drafts, probs = proposal.tokens, proposal.probs
     capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
-    out = target(seq, cache, capture=capture)
+    if proposal is None and draft is None:  # plain AR step
+        out = TargetOutput(target.decode_step(anchors, cache), None)
+    else:
+        out = target(seq, cache, capture=capture)
     verdict = verify(out.logits, drafts, probs, sampler, num_drafts, rule)
     # Keep anchor + accepted drafts; the bonus gets its KV when it is the next anchor.
     cache.truncate(start + verdict.accepted + 1)

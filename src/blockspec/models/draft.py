@@ -17,7 +17,7 @@ from blockspec.config import DraftConfig
 from blockspec.decoding.kv_cache import KVCache
 from blockspec.errors import BlockspecError
 from blockspec.models.heads import ConfidenceHead, MarkovHead
-from blockspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, attend
+from blockspec.models.layers import Attention, FusedLinears, Linear, RMSNorm, RotaryEmbedding, SwiGLU, attend
 
 
 class DraftLayer(nn.Module):
@@ -59,7 +59,7 @@ class DraftModel(nn.Module):
         super().__init__()
         self.config = cfg
         n_feat = len(cfg.target_layer_ids)
-        self.fc = nn.Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -68,7 +68,8 @@ class DraftModel(nn.Module):
                             if cfg.markov_rank > 0 else None)
         conf_rank = cfg.markov_rank if (cfg.confidence_head_with_markov and cfg.markov_rank > 0) else 0
         self.confidence_head = ConfidenceHead(cfg.hidden_size, conf_rank) if cfg.enable_confidence_head else None
-        self._fused: tuple[int, torch.Tensor] | None = None
+        # Every layer's k_proj and v_proj in one GEMM over the context (inference).
+        self._context_kv = FusedLinears(*(p for l in self.layers for p in (l.self_attn.k_proj, l.self_attn.v_proj)))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -91,16 +92,6 @@ class DraftModel(nn.Module):
                        self.dtype, self.fc.weight.device)
 
     # -- context ----------------------------------------------------------------
-    def fused_kv_weight(self) -> torch.Tensor:
-        """All layers' k_proj and v_proj weights stacked for one GEMM (cached in eval)."""
-        version = sum(l.self_attn.k_proj.weight._version + l.self_attn.v_proj.weight._version for l in self.layers)
-        if self.training or self._fused is None or self._fused[0] != version:
-            w = torch.cat([torch.cat([l.self_attn.k_proj.weight, l.self_attn.v_proj.weight]) for l in self.layers])
-            if self.training:
-                return w
-            self._fused = (version, w)
-        return self._fused[1]
-
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor, fused: bool = True
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """features [B, n, len(ids)*H] at `positions` [B, n] -> per-layer (K, V) [B, Hkv, n, D].
@@ -110,8 +101,7 @@ class DraftModel(nn.Module):
         cos, sin = self.rotary(positions, ctx.dtype)
         out = []
         if fused:
-            kv_dim = self.config.num_key_value_heads * self.config.head_dim
-            chunks = (ctx @ self.fused_kv_weight().T).split(kv_dim, dim=-1)
+            chunks = self._context_kv(ctx)
             for i, layer in enumerate(self.layers):
                 attn = layer.self_attn
                 out.append((attn.prepare_k(chunks[2 * i], cos, sin), attn.split(chunks[2 * i + 1], attn.kv_heads)))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from blockspec.models.layers import Linear
+
 
 class MarkovHead(nn.Module):
     """Low-rank bigram correction `w2(f(w1[prev], h))` added to a slot's logits.
@@ -19,7 +21,7 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.kind, self.rank = kind, rank
         self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        self.markov_w2 = Linear(rank, vocab, bias=False)
         if kind == "gated":
             self.gate_proj = nn.Linear(hidden + rank, rank)
         elif kind == "rnn":

@@ -9,13 +9,14 @@ of layer i) without keeping every layer's states.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from blockspec.config import TargetConfig
 from blockspec.decoding.kv_cache import KVCache
-from blockspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, attend
+from blockspec.models.layers import Attention, Linear, RMSNorm, RotaryEmbedding, SwiGLU, attend
 
 
 class DecoderLayer(nn.Module):
@@ -76,10 +77,11 @@ class TargetModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self._compiled_decode: Callable[[torch.Tensor, KVCache], torch.Tensor] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -133,6 +135,40 @@ class TargetModel(nn.Module):
         logits = self.lm_head(self.norm(h))
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return TargetOutput(logits, features)
+
+    # -- one-token decode, optionally compiled (gpt-fast style) ------------------------
+    @property
+    def decode_compiled(self) -> bool:
+        return self._compiled_decode is not None
+
+    def compile_decode(self) -> None:
+        """Capture the one-token decode step with torch.compile (inductor, weights frozen
+        as constants: inference only). The first step per batch size and cache capacity
+        compiles (tens of seconds on a small CPU); later steps run fused kernels."""
+        if self._compiled_decode is None:
+            self._compiled_decode = torch.compile(self._decode_logits, fullgraph=True, dynamic=False,
+                                                  options={"freezing": True, "cpp_wrapper": True})
+
+    def _decode_logits(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Static-shape step: attention spans the whole cache under a length mask, so
+        shapes depend only on (rows, capacity) and one graph serves every step."""
+        pos = cache.lengths.unsqueeze(1)                                   # [R, 1]
+        h = self.embed_tokens(tokens.unsqueeze(1))
+        cos, sin = self.rotary(pos, h.dtype, limit=cache.capacity)
+        mask = (torch.arange(cache.capacity, device=h.device) <= pos).view(-1, 1, 1, cache.capacity)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, i, cache, pos, mask, cache.capacity)
+        return self.lm_head(self.norm(h))
+
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Append one token per row (tokens [R]) and return logits [R, 1, V]; the
+        compiled step after `compile_decode()`, else the ordinary forward."""
+        if self._compiled_decode is None:
+            return self(tokens.unsqueeze(1), cache).logits
+        cache.check_room(1)
+        logits = self._compiled_decode(tokens, cache)
+        cache.advance(1)
+        return logits
 
     def forward_packed(self, tokens: torch.Tensor, counts: torch.Tensor, cache: KVCache, *,
                        capture: tuple[int, ...] = ()) -> TargetOutput:
