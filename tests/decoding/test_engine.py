@@ -137,7 +137,8 @@ def oracle_propose(full_sequences: list[list[int]], corrupt_every: int = 4):
     real = engine_module.propose
     calls = itertools.count(1)
 
-    def propose(draft, target, draft_cache, anchors, sampler, num_drafts=None):
+    def propose(draft, target, draft_cache, anchors, sampler, num_drafts=None, min_survival=0.0):
+        # Full window always: the oracle reports its own confidences (the plan applies the floor).
         proposal = real(draft, target, draft_cache, anchors, sampler, num_drafts)
         tokens = proposal.tokens.clone()
         r, g = tokens.shape

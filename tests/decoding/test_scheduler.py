@@ -12,16 +12,17 @@ from blockspec.errors import BlockspecError
 from conftest import make_target
 
 
-def reference_plan(survival: list[list[float]], table: CostTable) -> list[int]:
-    """Design section 5 written out literally, one admission at a time."""
+def reference_plan(survival: list[list[float]], table: CostTable, draft_s: float = 0.0) -> list[int]:
+    """Design section 5 written out literally, one admission at a time (round time
+    = the spent draft time + T(n))."""
     r = len(survival)
     slots = sorted(((-a, j, row) for row, s in enumerate(survival) for j, a in enumerate(s)))
     n, tau = r, float(r)
-    best = tau * float(table.sps(n))
+    best = tau / (draft_s + float(table.time(n)))
     lens = [0] * r
     for neg_a, j, row in slots:
         n, tau = n + 1, tau - neg_a
-        value = tau * float(table.sps(n))
+        value = tau / (draft_s + float(table.time(n)))
         if not value > best:
             break  # stop at once: never look further
         best = value
@@ -82,6 +83,11 @@ def test_matches_literal_algorithm_on_random_survivals():
         survival = torch.rand(r, g, generator=gen, dtype=torch.float64).cumprod(1)
         lens = plan(survival, table).tolist()
         assert lens == reference_plan(survival.tolist(), table)
+        draft_s = float(torch.rand(1, generator=gen)) * 2.0
+        with_draft = plan(survival, table, draft_s).tolist()
+        assert with_draft == reference_plan(survival.tolist(), table, draft_s)
+        # The spent draft time is part of the round: verifying more of the draft can only get more worth it.
+        assert all(a >= b for a, b in zip(with_draft, lens))
         seen.update(lens)
     assert len(seen) >= 4  # the table produces a spread of lengths, 0 included
     assert 0 in seen
@@ -182,6 +188,21 @@ def test_gate_drafts_when_it_pays_and_follows_measurements():
     assert gate.drafts_per_request == pytest.approx(3.0, abs=1e-2)
 
 
+def test_gate_explores_after_a_run_of_undrafted_rounds():
+    gate = DraftGate(GATE_TABLE, window=3, explore_every=4)
+    for _ in range(60):
+        gate.update([3], [0])                  # drafting never pays: AR is expected to win at 1 row
+    decisions = [gate.should_draft(1) for _ in range(4 + 8 + 16)]
+    explored = [i for i, d in enumerate(decisions) if d]
+    assert explored == [3, 11, 27]             # intervals 4, 8, 16: each fruitless exploration backs off
+    for _ in range(60):                        # the text turns easy: every draft accepted
+        gate.update([3], [3])
+    assert all(gate.should_draft(1) for _ in range(5))
+    assert gate.interval == 4                  # a win resets the back-off
+    with pytest.raises(BlockspecError, match="explore_every"):
+        DraftGate(GATE_TABLE, window=3, explore_every=0)
+
+
 def test_gate_without_draft_times_always_drafts():
     gate = DraftGate(CostTable([1, 2], [1.0, 1.0]), window=3)
     gate.tokens_per_request = 1.0
@@ -210,3 +231,45 @@ def test_profile_with_a_draft_measures_draft_rounds():
                                draft_rows=[2, 1])
     assert table.draft_rows == [1, 2] and len(table.draft_times_s) == 2
     assert all(t > 0 for t in table.draft_times_s)
+
+
+# -- the survival floor: skipped drafts never change the plan -------------------------
+
+def test_plan_never_admits_below_the_floor():
+    table = CostTable([1, 64], [1.0, 1.0])     # verifying is free: everything above the floor is admitted
+    survival = [[0.9, 0.3, 0.01], [0.04, 0.02, 0.0]]
+    assert run_plan(survival, table) == [3, 2]   # a zero-survival slot adds nothing: not admitted
+    assert plan(torch.tensor(survival, dtype=torch.float64), table, 0.0, 0.03).tolist() == [2, 1]
+
+
+def test_early_stopped_proposal_plans_like_the_full_one():
+    from blockspec.config import SamplingParams
+    from blockspec.decoding.sampling import RowSampler
+    from blockspec.decoding.speculate import propose
+    from conftest import make_draft
+
+    target = make_target(dtype=torch.float64)
+    draft = make_draft(target, "deepspec", 8, markov_rank=8, confidence=True)
+    table = CostTable([1, 8, 64], [1.0, 1.1, 3.0])
+    gen = torch.Generator().manual_seed(0)
+    stopped_early = 0
+    for trial in range(12):
+        rows = 1 + trial % 4
+        cache = draft.new_cache(rows, 64)
+        feats = torch.randn(rows, 5, len(draft.config.target_layer_ids) * target.config.hidden_size,
+                            generator=gen, dtype=torch.float64)
+        draft.append_context(cache, feats, 5)
+        anchors = torch.randint(0, target.config.vocab_size, (rows,), generator=gen)
+        sampler = RowSampler.from_params([SamplingParams()] * rows)
+        floor = 0.3
+        with torch.no_grad():
+            full = propose(draft, target, cache, anchors, sampler)
+            short = propose(draft, target, cache, anchors, sampler, min_survival=floor)
+        g = short.tokens.shape[1]
+        stopped_early += g < full.tokens.shape[1]
+        assert torch.equal(short.tokens, full.tokens[:, :g])
+        torch.testing.assert_close(short.confidence, full.confidence[:, :g])
+        for draft_s in (0.0, 0.5):
+            assert torch.equal(plan(short.confidence.cumprod(1), table, draft_s, floor),
+                               plan(full.confidence.cumprod(1), table, draft_s, floor))
+    assert stopped_early > 0   # the floor did cut some proposals short

@@ -248,18 +248,24 @@ class Engine:
     method: "ar" | "dflash" | "dspark"; scheduled: DSpark confidence scheduling
     with `cost_table` (no table: verify every draft); rows = min(max_running,
     slots that fit in kv_memory_gb GiB of target + draft KV); each slot holds
-    max_model_len positions (default: the target's max_position_embeddings)."""
+    max_model_len positions (default: the target's max_position_embeddings).
+    min_survival (scheduled): drafts whose prefix survival is below it are neither
+    drafted nor verified."""
 
     def __init__(self, target: TargetModel, draft: DraftModel | None = None, method: str = "ar",
                  scheduled: bool = False, max_running: int = 32, kv_memory_gb: float | None = None,
                  max_model_len: int | None = None, cost_table: CostTable | None = None,
-                 rule: str = "rejection", tokenizer: Detokenizer | None = None) -> None:
+                 rule: str = "rejection", tokenizer: Detokenizer | None = None,
+                 min_survival: float = 0.02) -> None:
         check_method(method, draft)
         if draft is not None and method != "ar":
             draft.config.check_target(target.config)
         self._check_scheduling(method, draft, scheduled, cost_table, target)
         if rule not in ("rejection", "match"):
             raise BlockspecError(f"unknown verification rule {rule!r} (choose rejection or match)")
+        if not 0.0 <= min_survival < 1.0:
+            raise BlockspecError(f"min_survival must be in [0, 1), got {min_survival!r}")
+        self.min_survival = float(min_survival)
         if not isinstance(max_running, int) or max_running < 1:
             raise BlockspecError(f"max_running must be a positive integer, got {max_running!r}")
         self.target, self.method, self.rule, self.tokenizer = target, method, rule, tokenizer
@@ -528,7 +534,8 @@ class Engine:
         proposal = None
         drafting = self.draft is not None and (self._gate is None or self._gate.should_draft(len(reqs)))
         if drafting:
-            proposal = propose(self.draft, self.target, draft_view, anchors, sampler)
+            proposal = propose(self.draft, self.target, draft_view, anchors, sampler,
+                               min_survival=self.min_survival if self.cost_table is not None else 0.0)
         t1 = time.perf_counter()
         lens = self._plan(proposal, len(reqs))
         t2 = time.perf_counter()
@@ -546,7 +553,9 @@ class Engine:
             return torch.zeros(r, dtype=torch.long, device=device)
         if self.cost_table is None or proposal.confidence is None:
             return torch.full((r,), proposal.tokens.shape[1], dtype=torch.long, device=device)
-        return plan(torch.cumprod(proposal.confidence, dim=1), self.cost_table).to(device)
+        table = self.cost_table
+        draft_s = float(table.draft_time(r)) if table.has_draft_times else 0.0
+        return plan(torch.cumprod(proposal.confidence, dim=1), table, draft_s, self.min_survival).to(device)
 
     def _commit(self, reqs: list[Request], proposal: Proposal | None, lens: torch.Tensor,
                 verdict: Verdict) -> None:

@@ -170,13 +170,20 @@ class CostTable:
         return cls.from_dict(read_json(Path(path), "cost table"), where=str(path))
 
 
-def plan(survival: torch.Tensor, table: CostTable | None) -> torch.Tensor:
+def plan(survival: torch.Tensor, table: CostTable | None, draft_time_s: float = 0.0,
+         min_survival: float = 0.0) -> torch.Tensor:
     """Drafts to verify per request, [R] long (design section 5, DSpark Algorithm 1).
 
     survival [R, g]: prefix survival a_{r,j} = prod_{i<=j} c_{r,i}, non-increasing in j.
     Start from anchors only (n = R, tau* = R); admit slots in descending survival
-    (ties: smaller j, then smaller r) while tau* * SPS(n) strictly improves, and stop
-    at the first slot that does not improve it. No table: verify every draft."""
+    (ties: smaller j, then smaller r) while the round's expected throughput
+    tau* / (draft_time_s + T(n)) strictly improves, and stop at the first slot that
+    does not improve it. draft_time_s is the round's draft cost, already spent when
+    the plan is made: it is part of the round's time, so a costly draft makes
+    verifying more of what it proposed worth it (0: the paper's tau* * SPS(n)).
+    Slots whose survival is below min_survival are never admitted (a floor that
+    depends only on the slot's own survival, so `propose` may skip drafting them).
+    No table: verify every draft."""
     r, g = survival.shape
     if table is None or g == 0 or r == 0:
         return torch.full((r,), g, dtype=torch.long, device=survival.device)
@@ -184,10 +191,11 @@ def plan(survival: torch.Tensor, table: CostTable | None) -> torch.Tensor:
     order = torch.sort(flat, descending=True, stable=True).indices       # stable: ties by (j, r)
     steps = torch.arange(r * g + 1, dtype=torch.float64)
     tau = r + torch.cat([torch.zeros(1, dtype=torch.float64), flat[order].cumsum(0)])
-    value = tau * table.sps(r + steps)
+    value = tau / (draft_time_s + table.time(r + steps))
     # Admit until the first non-improving slot: the early stop is a correctness rule
     # (x_j's own admission may not depend on x_j), not a global argmax over cut points.
-    admitted = int((value[1:] > value[:-1]).long().cumprod(0).sum())
+    admit = (value[1:] > value[:-1]) & (flat[order] >= min_survival)
+    admitted = int(admit.long().cumprod(0).sum())
     lens = torch.bincount(order[:admitted] % r, minlength=r)
     return lens.to(survival.device)
 
@@ -201,15 +209,24 @@ class DraftGate:
     skips the draft. Expected rates come from the cost table (verify and draft
     times) and a running mean of what drafting rounds delivered per request
     (tokens and verified drafts), started optimistically at a full accepted window
-    so that the engine drafts until it has measured. The decision uses only past
-    rounds, never the current round's draws, and AR rounds are lossless, so the
-    output distribution is unchanged; the draft context is still extended after
-    an AR round (its features come from the verify forward)."""
+    so that the engine drafts until it has measured. After `explore_every`
+    undrafted rounds in a row one round drafts anyway, so the estimate follows
+    the text (acceptance changes as a request moves from prose to code) instead
+    of freezing at its first pessimistic value; each exploration that does not
+    win the gate back doubles the interval (up to 32x), so a load where drafting
+    never pays costs few exploring rounds. Decisions use only past rounds,
+    never the current round's draws, and AR rounds are lossless, so the output
+    distribution is unchanged; the draft context is still extended after an AR
+    round (its features come from the verify forward)."""
 
-    def __init__(self, table: CostTable, window: int, momentum: float = 0.9) -> None:
-        self.table, self.momentum = table, momentum
+    def __init__(self, table: CostTable, window: int, momentum: float = 0.8, explore_every: int = 8) -> None:
+        if explore_every < 1:
+            raise BlockspecError("explore_every must be >= 1")
+        self.table, self.momentum, self.explore_every = table, momentum, explore_every
         self.tokens_per_request = 1.0 + window   # optimistic start: draft until measured
         self.drafts_per_request = float(window)
+        self.skipped = 0                         # undrafted rounds since the last drafting round
+        self.interval = explore_every            # current exploration interval (backs off)
 
     def expected_rates(self, rows: int) -> tuple[float, float]:
         """(speculative, AR) expected tokens per second for `rows` running requests."""
@@ -220,7 +237,15 @@ class DraftGate:
         if not self.table.has_draft_times or rows == 0:
             return True
         spec, ar = self.expected_rates(rows)
-        return spec > ar
+        if spec > ar:
+            self.skipped, self.interval = 0, self.explore_every
+            return True
+        if self.skipped + 1 >= self.interval:   # explore
+            self.skipped = 0
+            self.interval = min(2 * self.interval, 32 * self.explore_every)
+            return True
+        self.skipped += 1
+        return False
 
     def update(self, verified: list[int], accepted: list[int]) -> None:
         """Record a drafting round: drafts verified and accepted per request."""

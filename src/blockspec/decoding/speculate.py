@@ -46,8 +46,13 @@ def prefill(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampl
 
 
 def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
-            sampler: RowSampler, num_drafts: int | None = None) -> Proposal:
-    """One draft forward for the whole block, then sampling of g drafts."""
+            sampler: RowSampler, num_drafts: int | None = None, min_survival: float = 0.0) -> Proposal:
+    """One draft forward for the whole block, then sampling of g drafts.
+
+    min_survival (DSpark with a confidence head): stop drafting at the first slot
+    where every row's prefix survival is below it. `scheduler.plan` never admits
+    such slots when given the same floor, so they need no logits at all; the
+    proposal is then shorter than g."""
     cfg = draft.config
     g = cfg.num_drafts if num_drafts is None else num_drafts
     block = torch.full((anchors.shape[0], cfg.block_size), cfg.mask_token_id, dtype=torch.long,
@@ -55,30 +60,47 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
     block[:, 0] = anchors
     hidden = draft.block_hidden(block, draft_cache, target.embed_tokens)
     slots = hidden[:, cfg.first_draft_slot:cfg.first_draft_slot + g]
-    base = target.lm_head(slots.to(target.dtype)).float()
     greedy = sampler.all_greedy
     if draft.markov_head is None:
+        base = target.lm_head(slots.to(target.dtype)).float()
         tokens, probs = (base.argmax(-1), None) if greedy else sample(base, sampler)
         prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
+        confidence = draft.confidence(slots, prev) if draft.confidence_head is not None else None
+        return Proposal(tokens, probs, confidence)
+    # Semi-autoregressive: slot k's logits depend on the token drafted at k-1.
+    early_stop = min_survival > 0 and draft.confidence_head is not None
+    # lm_head in chunks of ~64 rows x slots: one GEMM when all slots are needed anyway,
+    # several when drafting may stop early (their logits are then never computed).
+    chunk = max(1, 64 // anchors.shape[0]) if early_stop else g
+    head = draft.markov_head
+    state = head.initial_state(anchors.shape[0], slots)
+    survival = torch.ones(anchors.shape[0], device=anchors.device)
+    prev_tok, toks, dists, prevs, confs = anchors, [], [], [], []
+    for k in range(g):
+        if k % chunk == 0:
+            base = target.lm_head(slots[:, k:k + chunk].to(target.dtype)).float()
+        bias, state = head.step(prev_tok, slots[:, k], state)
+        logits_k = base[:, k % chunk] + bias.float()
+        if greedy:  # no distribution needed: the greedy rule compares tokens only
+            tok = logits_k.argmax(-1, keepdim=True)
+        else:
+            tok, dist = sample(logits_k.unsqueeze(1), sampler)
+            dists.append(dist)
+        prevs.append(prev_tok)
+        if early_stop:
+            conf = draft.confidence(slots[:, k:k + 1], prev_tok.unsqueeze(1), first_slot=k)
+            confs.append(conf)
+            survival = survival * conf[:, 0]
+        prev_tok = tok[:, 0]
+        toks.append(tok)
+        if early_stop and k + 1 < g and bool((survival < min_survival).all()):
+            break
+    tokens, prev = torch.cat(toks, 1), torch.stack(prevs, 1)
+    probs = torch.cat(dists, 1) if dists else None
+    if early_stop:
+        confidence = torch.cat(confs, 1)
     else:
-        # Semi-autoregressive: slot k's logits depend on the token drafted at k-1.
-        head = draft.markov_head
-        state = head.initial_state(anchors.shape[0], slots)
-        prev_tok, toks, dists, prevs = anchors, [], [], []
-        for k in range(g):
-            bias, state = head.step(prev_tok, slots[:, k], state)
-            logits_k = base[:, k] + bias.float()
-            if greedy:  # no distribution needed: the greedy rule compares tokens only
-                tok = logits_k.argmax(-1, keepdim=True)
-            else:
-                tok, dist = sample(logits_k.unsqueeze(1), sampler)
-                dists.append(dist)
-            prevs.append(prev_tok)
-            prev_tok = tok[:, 0]
-            toks.append(tok)
-        tokens, prev = torch.cat(toks, 1), torch.stack(prevs, 1)
-        probs = torch.cat(dists, 1) if dists else None
-    confidence = draft.confidence(slots, prev) if draft.confidence_head is not None else None
+        confidence = draft.confidence(slots, prev) if draft.confidence_head is not None else None
     return Proposal(tokens, probs, confidence)
 
 

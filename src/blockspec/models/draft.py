@@ -152,8 +152,9 @@ class DraftModel(nn.Module):
         return self.norm(h)
 
     # -- heads ------------------------------------------------------------------
-    def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """Per-slot acceptance probability c_k [B, S] (calibrated when temperatures are set)."""
+    def confidence(self, h: torch.Tensor, prev: torch.Tensor, first_slot: int = 0) -> torch.Tensor:
+        """Per-slot acceptance probability c_k [B, S] of draft slots first_slot.. (calibrated
+        when temperatures are set)."""
         assert self.confidence_head is not None
         prev_embed = None
         if self.confidence_head.proj.in_features > self.config.hidden_size:
@@ -162,6 +163,6 @@ class DraftModel(nn.Module):
         raw = self.confidence_head.logit(h, prev_embed).float()
         temps = self.config.confidence_temperatures
         if temps is not None:
-            raw = raw / torch.tensor(temps[: raw.shape[-1]], device=raw.device)
+            raw = raw / torch.tensor(temps[first_slot:first_slot + raw.shape[-1]], device=raw.device)
         return torch.sigmoid(raw)
 

@@ -119,7 +119,10 @@ class FusedLinears:
 
     def _refresh(self) -> None:
         ls = self.linears
-        key = tuple((l.weight.data_ptr(), l.weight._version, l.weight.dtype, l.weight.device) for l in ls)
+        # Read the parameters from the dict (Module.__getattr__ is slow on the decode path);
+        # a new data pointer covers dtype / device moves, the version in-place updates.
+        weights = [l._parameters["weight"] for l in ls]
+        key = tuple((w.data_ptr(), w._version) for w in weights)
         if key == self.key:
             return
         with torch.no_grad():

@@ -51,8 +51,8 @@ def packed_layer(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: t
     cols[i]-th new token of cache row rows[i] (see TargetModel.forward_packed)."""
     x = layer.input_layernorm(h)
     attn = layer.self_attn
-    q = attn.project_q(x, cos, sin)[0]          # [Hq, N, D]
-    k, v = attn.project_kv(x, cos, sin)          # [1, Hkv, N, D]
+    q, k, v = attn.project_qkv(x, cos, sin)      # q [1, Hq, N, D], k/v [1, Hkv, N, D]
+    q = q[0]
     cache.write_packed(layer_idx, k[0], v[0], rows, cache.lengths[rows] + cols)
     # Attention reads each row's cache once: queries are scattered to [R, Hq, W, D]
     # (W = widest row) for one SDPA call; the masked padding queries are dropped.
