@@ -56,7 +56,7 @@ def main() -> None:
     if args.cost_table:
         table = CostTable.load(Path(args.cost_table))
     else:
-        table = profile_cost_table(target, [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512], repeats=3, rows=16,
+        table = profile_cost_table(target, [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512], repeats=5, rows=16,
                                    capture=tuple(dspark.config.target_layer_ids), draft=dspark,
                                    draft_rows=[1, 2, 4, 8, 16, 32])
     pool = prompts_humaneval(tok)

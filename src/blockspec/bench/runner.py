@@ -349,7 +349,7 @@ def _cost_table(target: TargetModel, drafts: Sequence[DraftModel], path: str | P
     table = profile_cost_table(target, list(range(1, window + 1)), repeats=3, rows=1, capture=capture,
                                draft=drafts[0], draft_rows=[1])
     notes.append(f"dspark-scheduled: cost table profiled at start (n = 1..{window} and one draft round, "
-                 "batch 1, median of 3)")
+                 "batch 1, fastest of 3)")
     return table
 
 
