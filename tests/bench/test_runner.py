@@ -259,3 +259,15 @@ def test_gpu_bench_smoke_on_cpu(capsys):
     assert "| batch | T_ar ms | T_draft ms | T_verify ms |" in out
     rows = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 2 and all(line.count("x |") == 2 for line in rows)
+
+
+def test_markdown_report_has_the_throughput_table(bench):
+    from blockspec.bench.runner import render_markdown
+
+    results, _ = bench
+    assert "Engine throughput vs concurrency" not in render_markdown(results)   # not measured: no table
+    with_conc = dict(results, concurrency={"concurrency": [1, 4],
+                                           "tokens_per_s": {"ar": [100.0, 300.0], "dspark": [150.5, 420.25]}})
+    md = render_markdown(with_conc)
+    assert "## Engine throughput vs concurrency (output tokens/s)" in md
+    assert "| concurrency | ar | dspark |" in md and "| 4 | 300.00 | 420.25 |" in md

@@ -121,12 +121,14 @@ def test_greedy_with_arrivals_and_cancellations_equals_ar(monkeypatch, target64,
     assert (m["finished"], m["cancelled"]) == (6, 2)
     assert m["generated_tokens"] == sum(len(h.result().tokens) for h in handles.values())
     # ONE packed target forward and (speculative methods) ONE draft proposal per round.
-    drafted = m["rounds"] - m["undrafted_rounds"]
-    assert packed[0] == m["rounds"] and proposals[0] == (0 if config == "ar" else drafted)
-    if config == "dspark-gated":  # the gate really skipped some drafts and kept others
-        assert 0 < m["undrafted_rounds"] < m["rounds"]
-    else:
-        assert m["undrafted_rounds"] == 0
+    assert packed[0] == m["rounds"] and proposals[0] == m["drafting_rounds"]
+    if config == "ar":
+        assert m["drafting_rounds"] == 0
+    elif config == "dspark-gated":  # the gate really skipped some drafts and kept others
+        assert 0 < m["undrafted_request_rounds"] < m["request_rounds"]
+        assert 0 < m["drafting_rounds"] < m["rounds"]
+    elif config != "ar":
+        assert m["undrafted_request_rounds"] == 0 and m["drafting_rounds"] == m["rounds"]
     if config == "dspark-scheduled":
         assert {0, 1, 4} <= set(m["verified_histogram"])  # per-row lengths vary, 0 drafts included
 
@@ -185,6 +187,22 @@ def test_seeded_sampling_is_independent_of_the_batch(target64, requests, config)
     for i, prompt, params in [(0, PROMPTS[0], sampled[0]), (2, PROMPTS[2], sampled[1])]:
         alone = generate(target64, [prompt], params, draft=engine.draft).completions[0].tokens
         assert handles[i].result().tokens == alone
+
+
+def test_gated_engine_with_greedy_and_sampled_requests(target64, requests):
+    """The gate drafts for a prefix of the batch (one row when exploring). Greedy
+    drafted rows next to sampled undrafted ones still verify (their drafts come
+    from a point mass) and greedy outputs stay equal to AR."""
+    engine = build(target64, "dspark-gated", max_running=3)
+    sampled = SamplingParams(temperature=0.9, seed=3, max_new_tokens=12, ignore_eos=True)
+    mixed = [requests[1], (PROMPTS[0], sampled, None), requests[4], (PROMPTS[2], sampled, None), requests[6]]
+    handles, _ = drive(engine, mixed, seed=2, cancel_waiting=-1, cancel_running=-1)
+    for i in (0, 2, 4):
+        assert handles[i].result().tokens == mixed[i][2].tokens
+    for i in (1, 3):
+        assert len(handles[i].result().tokens) == 12
+    m = engine.metrics()
+    assert m["drafting_rounds"] > 0 and m["undrafted_request_rounds"] > 0
 
 
 def test_packed_forward_equals_per_row_forward(target64):
@@ -258,7 +276,7 @@ def test_batched_sampling_follows_target_distribution(target12, method, params):
         assert all(m["verified_histogram"].get(k, 0) > 100 for k in range(4))
         assert sum(m["accepted_histogram"].get(k, 0) for k in (1, 2, 3)) > 200
     if method == "dspark-gated":
-        assert 0 < m["undrafted_rounds"] < m["rounds"]
+        assert 0 < m["undrafted_request_rounds"] < m["request_rounds"]
 
 
 def test_lossy_verifier_is_detected_under_batching(target12, monkeypatch):

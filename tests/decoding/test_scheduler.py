@@ -167,7 +167,8 @@ GATE_TABLE = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_ti
 
 
 def test_gate_rates_known_answer():
-    gate = DraftGate(GATE_TABLE, window=3)        # optimistic start: 4 tokens, 3 drafts per request
+    gate = DraftGate(GATE_TABLE, window=3)
+    gate.update([3], [3])                          # first measurement is taken as is: 4 tokens, 3 drafts
     spec, ar = gate.expected_rates(1)
     assert ar == pytest.approx(1.0)
     assert spec == pytest.approx(4 / (0.5 + 1.0))  # T(4) = 1.0
@@ -177,27 +178,30 @@ def test_gate_rates_known_answer():
     assert ar == pytest.approx(16 / (1.0 + 3.0 * 12 / 60))
 
 
-def test_gate_drafts_when_it_pays_and_follows_measurements():
+def test_gate_measures_with_one_row_then_follows_measurements():
     gate = DraftGate(GATE_TABLE, window=3)
-    assert gate.should_draft(1) and not gate.should_draft(16)
-    for _ in range(60):                        # drafts never accepted: 1 token per round
+    assert gate.rows_to_draft(16) == 1             # unmeasured: one cheap row explores
+    gate.update([3], [3])
+    assert gate.rows_to_draft(1) == 1 and gate.rows_to_draft(16) == 0   # pays alone, not at 16 rows
+    for _ in range(60):                            # drafts never accepted: 1 token per round
         gate.update([3, 3], [0, 0])
     assert gate.tokens_per_request == pytest.approx(1.0, abs=1e-2)
-    assert not gate.should_draft(1)
-    gate.update([], [])                        # an empty round changes nothing
+    assert gate.rows_to_draft(1) == 0
+    gate.update([], [])                            # an empty round changes nothing
     assert gate.drafts_per_request == pytest.approx(3.0, abs=1e-2)
 
 
 def test_gate_explores_after_a_run_of_undrafted_rounds():
     gate = DraftGate(GATE_TABLE, window=3, explore_every=4)
     for _ in range(60):
-        gate.update([3], [0])                  # drafting never pays: AR is expected to win at 1 row
-    decisions = [gate.should_draft(1) for _ in range(4 + 8 + 16)]
+        gate.update([3], [0])                  # drafting never pays
+    decisions = [gate.rows_to_draft(16) for _ in range(4 + 8 + 16)]
     explored = [i for i, d in enumerate(decisions) if d]
     assert explored == [3, 11, 27]             # intervals 4, 8, 16: each fruitless exploration backs off
+    assert {decisions[i] for i in explored} == {1}   # exploring drafts one row only
     for _ in range(60):                        # the text turns easy: every draft accepted
         gate.update([3], [3])
-    assert all(gate.should_draft(1) for _ in range(5))
+    assert all(gate.rows_to_draft(1) == 1 for _ in range(5))
     assert gate.interval == 4                  # a win resets the back-off
     with pytest.raises(BlockspecError, match="explore_every"):
         DraftGate(GATE_TABLE, window=3, explore_every=0)
@@ -205,10 +209,20 @@ def test_gate_explores_after_a_run_of_undrafted_rounds():
 
 def test_gate_without_draft_times_always_drafts():
     gate = DraftGate(CostTable([1, 2], [1.0, 1.0]), window=3)
-    gate.tokens_per_request = 1.0
-    assert gate.should_draft(64)
+    gate.update([3], [0])
+    assert gate.rows_to_draft(64) == 64
     with pytest.raises(BlockspecError, match="no draft times"):
         gate.table.draft_time(1)
+
+
+def test_plan_with_base_rows_counts_the_undrafted_rows():
+    table = CostTable([1, 4, 8], [1.0, 1.0, 3.0])    # free up to 4 tokens, then 0.5 s per token
+    survival = [[0.9, 0.8, 0.7]]
+    assert run_plan(survival, table) == [3]           # 1 row: n = 4 is free
+    # 4 rows in the forward, 1 drafted: every admitted draft now costs time; only a sure one pays.
+    assert plan(torch.tensor(survival, dtype=torch.float64), table, base_rows=4).tolist() == [0]
+    assert plan(torch.tensor([[0.99]], dtype=torch.float64), CostTable([1, 4, 5], [1.0, 1.0, 1.2]),
+                base_rows=4).tolist() == [1]
 
 
 def test_draft_times_round_trip_and_validation(tmp_path):

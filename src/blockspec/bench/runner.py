@@ -673,6 +673,13 @@ def render_markdown(results: dict[str, Any]) -> str:
     if cal_rows:
         lines += ["## Confidence-head calibration (survival s_k vs prefix acceptance)", "",
                   markdown_table(cal_rows, CALIBRATION_COLUMNS), ""]
+    conc = results.get("concurrency")
+    if conc:
+        methods = list(conc["tokens_per_s"])
+        rows = [{"concurrency": c, **{m: conc["tokens_per_s"][m][i] for m in methods}}
+                for i, c in enumerate(conc["concurrency"])]
+        lines += ["## Engine throughput vs concurrency (output tokens/s)", "",
+                  markdown_table(rows, ["concurrency"] + methods), ""]
     if meta["notes"]:
         lines += ["## Notes", ""] + [f"- {n}" for n in meta["notes"]] + [""]
     if results["plots"]:

@@ -82,6 +82,22 @@ def verify_packed(target: TargetModel, cache: KVCache, anchors: torch.Tensor, pr
     return verdict
 
 
+def pad_rows(proposal: Proposal, rows: int, vocab: int | None = None) -> Proposal:
+    """A proposal for the first k rows, zero-padded to `rows` (the others verify no drafts).
+
+    vocab: the batch samples somewhere, so rejection sampling needs every drafted
+    row's proposal distribution; greedy drafts (probs None) were drawn from a point
+    mass, which is what they get."""
+    k, g = proposal.tokens.shape
+    tokens = torch.cat([proposal.tokens, proposal.tokens.new_zeros(rows - k, g)])
+    probs = proposal.probs
+    if probs is None and vocab is not None:
+        probs = torch.nn.functional.one_hot(proposal.tokens, vocab).float()
+    if probs is not None:
+        probs = torch.cat([probs, probs.new_zeros(rows - k, *probs.shape[1:])])
+    return Proposal(tokens, probs, None)
+
+
 def unpack_rows(packed: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """packed [N, F] in row-major order of `valid` [R, W] -> [R, max(keep), F], zero padded."""
     width = int(keep.max())
@@ -272,6 +288,7 @@ class Engine:
         self.draft = draft if method != "ar" else None
         self.cost_table = cost_table if scheduled else None
         # Scheduled mode also decides whether a round drafts at all (needs draft times in the table).
+        self._expected_accepts: list[float] = []
         self._gate = (DraftGate(cost_table, draft.config.num_drafts)
                       if scheduled and cost_table is not None and draft is not None and cost_table.has_draft_times
                       else None)
@@ -462,7 +479,7 @@ class Engine:
                 "rejected": s["rejected"], "failed": s["failed"],
                 "prompt_tokens": s["prompt_tokens"], "generated_tokens": s["generated_tokens"],
                 "prefill_batches": s["prefill_batches"], "rounds": s["rounds"], "request_rounds": rounds,
-                "undrafted_rounds": s["undrafted_rounds"],
+                "drafting_rounds": s["drafting_rounds"], "undrafted_request_rounds": s["undrafted_request_rounds"],
                 "verified_tokens": s["verified_tokens"], "drafts_verified": s["drafts_verified"],
                 "drafts_accepted": s["drafts_accepted"],
                 "tau": (s["drafts_accepted"] + rounds) / rounds if rounds else 0.0,
@@ -524,45 +541,64 @@ class Engine:
         self._times["prefill"] += time.perf_counter() - t0
 
     def _round(self) -> None:
-        """Draft for every running request (one draft forward), plan, verify (one packed forward)."""
+        """Draft for the running requests (one draft forward), plan, verify (one packed forward)."""
         reqs = self._running
-        view, draft_view = self._views(0, len(reqs))
+        r = len(reqs)
+        view, draft_view = self._views(0, r)
         device = self.target.device
-        anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.long, device=device)
-        sampler = batch_sampler([r.params for r in reqs], [r.generator for r in reqs], device)
+        anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.long, device=device)
+        sampler = batch_sampler([q.params for q in reqs], [q.generator for q in reqs], device)
         t0 = time.perf_counter()
+        # The first k requests draft: all of them, or fewer when the draft gate says so.
+        k = 0 if self.draft is None else (r if self._gate is None else self._gate.rows_to_draft(r))
         proposal = None
-        drafting = self.draft is not None and (self._gate is None or self._gate.should_draft(len(reqs)))
-        if drafting:
-            proposal = propose(self.draft, self.target, draft_view, anchors, sampler,
-                               min_survival=self.min_survival if self.cost_table is not None else 0.0)
+        if k:
+            sub_view = draft_view if k == r else draft_view.slice_rows(0, k)
+            sub_sampler = sampler if k == r else sampler.select(list(range(k)))
+            min_survival = self.min_survival if self.cost_table is not None else 0.0
+            proposal = propose(self.draft, self.target, sub_view, anchors[:k], sub_sampler,
+                               min_survival=min_survival)
         t1 = time.perf_counter()
-        lens = self._plan(proposal, len(reqs))
+        lens = self._plan(proposal, r)
+        if proposal is not None and k < r:
+            proposal = pad_rows(proposal, r, None if sampler.all_greedy else self.target.config.vocab_size)
         t2 = time.perf_counter()
         verdict = verify_packed(self.target, view, anchors, proposal, sampler, lens, self.draft, draft_view,
                                 self.rule)
         t3 = time.perf_counter()
-        self._commit(reqs, proposal, lens, verdict)
+        self._commit(reqs, proposal, lens, verdict, k)
         self._times["draft"] += t1 - t0
         self._times["plan"] += t2 - t1
         self._times["verify"] += t3 - t2
 
     def _plan(self, proposal: Proposal | None, r: int) -> torch.Tensor:
+        """Drafts each of the r running requests verifies (zero for those that did not draft)."""
         device = self.target.device
+        lens = torch.zeros(r, dtype=torch.long, device=device)
         if proposal is None:
-            return torch.zeros(r, dtype=torch.long, device=device)
-        if self.cost_table is None or proposal.confidence is None:
-            return torch.full((r,), proposal.tokens.shape[1], dtype=torch.long, device=device)
+            return lens
+        k, g = proposal.tokens.shape
         table = self.cost_table
-        draft_s = float(table.draft_time(r)) if table.has_draft_times else 0.0
-        return plan(torch.cumprod(proposal.confidence, dim=1), table, draft_s, self.min_survival).to(device)
+        if table is None or proposal.confidence is None:
+            lens[:k] = g
+            return lens
+        draft_s = float(table.draft_time(k)) if table.has_draft_times else 0.0
+        survival = torch.cumprod(proposal.confidence, dim=1)
+        lens[:k] = plan(survival, table, draft_s, self.min_survival, base_rows=r).to(device)
+        if self._gate is not None:
+            # What the plan expects each drafting row to accept (sum of admitted survivals):
+            # the gate learns from this rather than from the 0-or-many realised counts.
+            admitted = torch.arange(survival.shape[1], device=device).unsqueeze(0) < lens[:k].unsqueeze(1)
+            self._expected_accepts = (survival.to(device) * admitted).sum(1).tolist()
+        return lens
 
     def _commit(self, reqs: list[Request], proposal: Proposal | None, lens: torch.Tensor,
-                verdict: Verdict) -> None:
+                verdict: Verdict, drafting: int) -> None:
+        """Emit each request's accepted drafts + bonus; `drafting`: how many (first) requests drafted."""
         accepted, bonus, verified = verdict.accepted.tolist(), verdict.bonus.tolist(), lens.tolist()
         drafted = proposal.tokens.tolist() if proposal is not None else [[] for _ in reqs]
-        if self._gate is not None and proposal is not None:
-            self._gate.update(verified, accepted)
+        if self._gate is not None and drafting:
+            self._gate.update(verified[:drafting], self._expected_accepts)
         for i, req in enumerate(reqs):
             req.state.stats.verified.append(verified[i])
             req.state.stats.accepted.append(accepted[i])
@@ -571,8 +607,9 @@ class Engine:
         with self._lock:
             self._stats["rounds"] += 1
             self._stats["request_rounds"] += len(reqs)
-            # A speculative engine's round without a proposal: the draft gate chose AR.
-            self._stats["undrafted_rounds"] += int(self.draft is not None and proposal is None)
+            # Request-rounds of a speculative engine without a draft: the draft gate chose AR.
+            self._stats["drafting_rounds"] += int(drafting > 0)
+            self._stats["undrafted_request_rounds"] += (len(reqs) - drafting) if self.draft is not None else 0
             self._stats["verified_tokens"] += sum(verified) + len(reqs)
             self._stats["drafts_verified"] += sum(verified)
             self._stats["drafts_accepted"] += sum(accepted)

@@ -171,7 +171,7 @@ class CostTable:
 
 
 def plan(survival: torch.Tensor, table: CostTable | None, draft_time_s: float = 0.0,
-         min_survival: float = 0.0) -> torch.Tensor:
+         min_survival: float = 0.0, base_rows: int | None = None) -> torch.Tensor:
     """Drafts to verify per request, [R] long (design section 5, DSpark Algorithm 1).
 
     survival [R, g]: prefix survival a_{r,j} = prod_{i<=j} c_{r,i}, non-increasing in j.
@@ -183,15 +183,18 @@ def plan(survival: torch.Tensor, table: CostTable | None, draft_time_s: float = 
     verifying more of what it proposed worth it (0: the paper's tau* * SPS(n)).
     Slots whose survival is below min_survival are never admitted (a floor that
     depends only on the slot's own survival, so `propose` may skip drafting them).
-    No table: verify every draft."""
+    base_rows (>= R): rows in the verify forward, when only the first R of them
+    drafted this round (the others verify their anchor only). No table: verify
+    every draft."""
     r, g = survival.shape
     if table is None or g == 0 or r == 0:
         return torch.full((r,), g, dtype=torch.long, device=survival.device)
     flat = survival.detach().to("cpu", torch.float64).t().reshape(-1)  # index j*R + r
     order = torch.sort(flat, descending=True, stable=True).indices       # stable: ties by (j, r)
+    base = r if base_rows is None else base_rows
     steps = torch.arange(r * g + 1, dtype=torch.float64)
-    tau = r + torch.cat([torch.zeros(1, dtype=torch.float64), flat[order].cumsum(0)])
-    value = tau / (draft_time_s + table.time(r + steps))
+    tau = base + torch.cat([torch.zeros(1, dtype=torch.float64), flat[order].cumsum(0)])
+    value = tau / (draft_time_s + table.time(base + steps))
     # Admit until the first non-improving slot: the early stop is a correctness rule
     # (x_j's own admission may not depend on x_j), not a global argmax over cut points.
     admit = (value[1:] > value[:-1]) & (flat[order] >= min_survival)
@@ -201,59 +204,69 @@ def plan(survival: torch.Tensor, table: CostTable | None, draft_time_s: float = 
 
 
 class DraftGate:
-    """Whether a scheduled round should draft at all.
+    """How many running requests draft this round: all, none, or one to explore.
 
-    Under load a 16-token draft window costs a draft forward plus a wider verify
-    even when the planner trims it; when a plain AR round (every request verifies
-    its anchor only) is expected to produce more tokens per second, the round
-    skips the draft. Expected rates come from the cost table (verify and draft
-    times) and a running mean of what drafting rounds delivered per request
-    (tokens and verified drafts), started optimistically at a full accepted window
-    so that the engine drafts until it has measured. After `explore_every`
-    undrafted rounds in a row one round drafts anyway, so the estimate follows
-    the text (acceptance changes as a request moves from prose to code) instead
-    of freezing at its first pessimistic value; each exploration that does not
-    win the gate back doubles the interval (up to 32x), so a load where drafting
-    never pays costs few exploring rounds. Decisions use only past rounds,
-    never the current round's draws, and AR rounds are lossless, so the output
-    distribution is unchanged; the draft context is still extended after an AR
-    round (its features come from the verify forward)."""
+    Under load a draft forward plus a wider verify can cost more than it returns
+    even when the planner trims the window; when a plain AR round (every request
+    verifies its anchor only) is expected to produce more tokens per second, the
+    round skips the draft. Expected rates come from the cost table (verify and
+    draft times) and a running mean of what drafting rounds delivered per
+    drafting request (tokens and verified drafts; the engine reports the accepted
+    drafts its plan expected from the calibrated confidences, which vary far less
+    than the realised counts). Measuring is cheap: until the
+    first measurement, and after `explore_every` undrafted rounds in a row, only
+    the first request drafts (a one-row draft forward); each exploration that does
+    not win the gate back doubles that interval (up to 8x), so a load where
+    drafting never pays spends little on it, while the estimate still follows the
+    text. Decisions use only past rounds, never the current round's draws, and
+    undrafted rows are lossless AR steps, so the output distribution is
+    unchanged; the draft context is still extended for every row (its features
+    come from the verify forward)."""
 
-    def __init__(self, table: CostTable, window: int, momentum: float = 0.8, explore_every: int = 8) -> None:
+    def __init__(self, table: CostTable, window: int, momentum: float = 0.7, explore_every: int = 8) -> None:
         if explore_every < 1:
             raise BlockspecError("explore_every must be >= 1")
-        self.table, self.momentum, self.explore_every = table, momentum, explore_every
-        self.tokens_per_request = 1.0 + window   # optimistic start: draft until measured
-        self.drafts_per_request = float(window)
+        self.table, self.window, self.momentum, self.explore_every = table, window, momentum, explore_every
+        self.tokens_per_request: float | None = None   # per drafting request and round; None: unmeasured
+        self.drafts_per_request: float | None = None
         self.skipped = 0                         # undrafted rounds since the last drafting round
         self.interval = explore_every            # current exploration interval (backs off)
 
     def expected_rates(self, rows: int) -> tuple[float, float]:
         """(speculative, AR) expected tokens per second for `rows` running requests."""
-        t_spec = self.table.draft_time(rows) + self.table.time(rows * (1.0 + self.drafts_per_request))
-        return float(rows * self.tokens_per_request / t_spec), float(rows / self.table.time(rows))
+        tokens = 1.0 + self.window if self.tokens_per_request is None else self.tokens_per_request
+        drafts = float(self.window) if self.drafts_per_request is None else self.drafts_per_request
+        t_spec = self.table.draft_time(rows) + self.table.time(rows * (1.0 + drafts))
+        return float(rows * tokens / t_spec), float(rows / self.table.time(rows))
 
-    def should_draft(self, rows: int) -> bool:
+    def rows_to_draft(self, rows: int) -> int:
+        """0 (AR round), 1 (explore with the first request) or `rows` (everyone drafts)."""
         if not self.table.has_draft_times or rows == 0:
-            return True
+            return rows
+        if self.tokens_per_request is None:
+            return 1
         spec, ar = self.expected_rates(rows)
         if spec > ar:
             self.skipped, self.interval = 0, self.explore_every
-            return True
+            return rows
         if self.skipped + 1 >= self.interval:   # explore
             self.skipped = 0
-            self.interval = min(2 * self.interval, 32 * self.explore_every)
-            return True
+            self.interval = min(2 * self.interval, 8 * self.explore_every)
+            return 1
         self.skipped += 1
-        return False
+        return 0
 
-    def update(self, verified: list[int], accepted: list[int]) -> None:
-        """Record a drafting round: drafts verified and accepted per request."""
+    def update(self, verified: list[int], accepted: list[float]) -> None:
+        """Record a drafting round: drafts verified and (expected) accepted per drafting request."""
         if not verified:
             return
+        tokens, drafts = 1 + sum(accepted) / len(accepted), sum(verified) / len(verified)
+        if self.tokens_per_request is None or self.drafts_per_request is None:
+            self.tokens_per_request, self.drafts_per_request = tokens, drafts
+            return
         m = self.momentum
-        self.tokens_per_request = m * self.tokens_per_request + (1 - m) * (1 + sum(accepted) / len(accepted))
-        self.drafts_per_request = m * self.drafts_per_request + (1 - m) * sum(verified) / len(verified)
+        self.tokens_per_request = m * self.tokens_per_request + (1 - m) * tokens
+        self.drafts_per_request = m * self.drafts_per_request + (1 - m) * drafts
 
 
 def _split(n: int, rows: int) -> torch.Tensor:
