@@ -168,39 +168,48 @@ GATE_TABLE = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_ti
 
 def test_gate_rates_known_answer():
     gate = DraftGate(GATE_TABLE, window=3)
-    gate.update([3], [3])                          # first measurement is taken as is: 4 tokens, 3 drafts
+    gate.update(torch.ones(2, 3))                  # first measurement taken as is: every draft survives
     spec, ar = gate.expected_rates(1)
     assert ar == pytest.approx(1.0)
-    assert spec == pytest.approx(4 / (0.5 + 1.0))  # T(4) = 1.0
-    spec, ar = gate.expected_rates(16)
-    t_verify = 1.0 + 3.0 * (64 - 4) / 60           # T(64)
-    assert spec == pytest.approx(16 * 4 / (8.0 + t_verify))
+    assert spec == pytest.approx(4 / (0.5 + 1.0))  # all 3 drafts planned; T(4) = 1.0
+    spec, ar = gate.expected_rates(16)             # 16 rows: verifying every draft still pays in the plan
+    assert spec == pytest.approx(64 / (8.0 + 4.0))  # T(64) = 4.0
     assert ar == pytest.approx(16 / (1.0 + 3.0 * 12 / 60))
+
+
+def test_gate_asks_the_planner_with_the_mean_survival_curve():
+    gate = DraftGate(GATE_TABLE, window=3, momentum=0.5)
+    gate.update(torch.tensor([[0.9, 0.5], [0.7, 0.3]]))   # a shorter (early-stopped) proposal: slot 3 = 0
+    assert gate.survival.tolist() == pytest.approx([0.8, 0.4, 0.0])
+    gate.update(torch.tensor([[0.6, 0.2, 0.1]]))
+    assert gate.survival.tolist() == pytest.approx([0.7, 0.3, 0.05])
+    lens = plan(gate.survival.unsqueeze(0), GATE_TABLE, float(GATE_TABLE.draft_time(1)))
+    tokens = 1 + float(gate.survival[:int(lens[0])].sum())
+    spec, _ = gate.expected_rates(1)
+    assert spec == pytest.approx(tokens / (0.5 + float(GATE_TABLE.time(1 + int(lens[0])))))
+    gate.update(torch.zeros(0, 3))                 # an empty round changes nothing
+    assert gate.survival.tolist() == pytest.approx([0.7, 0.3, 0.05])
 
 
 def test_gate_measures_with_one_row_then_follows_measurements():
     gate = DraftGate(GATE_TABLE, window=3)
     assert gate.rows_to_draft(16) == 1             # unmeasured: one cheap row explores
-    gate.update([3], [3])
+    gate.update(torch.ones(1, 3))
     assert gate.rows_to_draft(1) == 1 and gate.rows_to_draft(16) == 0   # pays alone, not at 16 rows
-    for _ in range(60):                            # drafts never accepted: 1 token per round
-        gate.update([3, 3], [0, 0])
-    assert gate.tokens_per_request == pytest.approx(1.0, abs=1e-2)
+    for _ in range(40):                            # drafts never accepted
+        gate.update(torch.zeros(2, 3))
     assert gate.rows_to_draft(1) == 0
-    gate.update([], [])                            # an empty round changes nothing
-    assert gate.drafts_per_request == pytest.approx(3.0, abs=1e-2)
 
 
 def test_gate_explores_after_a_run_of_undrafted_rounds():
     gate = DraftGate(GATE_TABLE, window=3, explore_every=4)
-    for _ in range(60):
-        gate.update([3], [0])                  # drafting never pays
+    gate.update(torch.zeros(1, 3))                 # drafting never pays
     decisions = [gate.rows_to_draft(16) for _ in range(4 + 8 + 16)]
     explored = [i for i, d in enumerate(decisions) if d]
     assert explored == [3, 11, 27]             # intervals 4, 8, 16: each fruitless exploration backs off
     assert {decisions[i] for i in explored} == {1}   # exploring drafts one row only
-    for _ in range(60):                        # the text turns easy: every draft accepted
-        gate.update([3], [3])
+    for _ in range(40):                        # the text turns easy: every draft survives
+        gate.update(torch.ones(1, 3))
     assert all(gate.rows_to_draft(1) == 1 for _ in range(5))
     assert gate.interval == 4                  # a win resets the back-off
     with pytest.raises(BlockspecError, match="explore_every"):
@@ -209,7 +218,7 @@ def test_gate_explores_after_a_run_of_undrafted_rounds():
 
 def test_gate_without_draft_times_always_drafts():
     gate = DraftGate(CostTable([1, 2], [1.0, 1.0]), window=3)
-    gate.update([3], [0])
+    gate.update(torch.zeros(1, 3))
     assert gate.rows_to_draft(64) == 64
     with pytest.raises(BlockspecError, match="no draft times"):
         gate.table.draft_time(1)

@@ -288,8 +288,7 @@ class Engine:
         self.draft = draft if method != "ar" else None
         self.cost_table = cost_table if scheduled else None
         # Scheduled mode also decides whether a round drafts at all (needs draft times in the table).
-        self._expected_accepts: list[float] = []
-        self._gate = (DraftGate(cost_table, draft.config.num_drafts)
+        self._gate = (DraftGate(cost_table, draft.config.num_drafts, min_survival=self.min_survival)
                       if scheduled and cost_table is not None and draft is not None and cost_table.has_draft_times
                       else None)
         self.max_model_len = self._model_len(max_model_len)
@@ -585,11 +584,8 @@ class Engine:
         draft_s = float(table.draft_time(k)) if table.has_draft_times else 0.0
         survival = torch.cumprod(proposal.confidence, dim=1)
         lens[:k] = plan(survival, table, draft_s, self.min_survival, base_rows=r).to(device)
-        if self._gate is not None:
-            # What the plan expects each drafting row to accept (sum of admitted survivals):
-            # the gate learns from this rather than from the 0-or-many realised counts.
-            admitted = torch.arange(survival.shape[1], device=device).unsqueeze(0) < lens[:k].unsqueeze(1)
-            self._expected_accepts = (survival.to(device) * admitted).sum(1).tolist()
+        if self._gate is not None:  # used from the next round on
+            self._gate.update(survival)
         return lens
 
     def _commit(self, reqs: list[Request], proposal: Proposal | None, lens: torch.Tensor,
@@ -597,8 +593,6 @@ class Engine:
         """Emit each request's accepted drafts + bonus; `drafting`: how many (first) requests drafted."""
         accepted, bonus, verified = verdict.accepted.tolist(), verdict.bonus.tolist(), lens.tolist()
         drafted = proposal.tokens.tolist() if proposal is not None else [[] for _ in reqs]
-        if self._gate is not None and drafting:
-            self._gate.update(verified[:drafting], self._expected_accepts)
         for i, req in enumerate(reqs):
             req.state.stats.verified.append(verified[i])
             req.state.stats.accepted.append(accepted[i])

@@ -209,41 +209,45 @@ class DraftGate:
     Under load a draft forward plus a wider verify can cost more than it returns
     even when the planner trims the window; when a plain AR round (every request
     verifies its anchor only) is expected to produce more tokens per second, the
-    round skips the draft. Expected rates come from the cost table (verify and
-    draft times) and a running mean of what drafting rounds delivered per
-    drafting request (tokens and verified drafts; the engine reports the accepted
-    drafts its plan expected from the calibrated confidences, which vary far less
-    than the realised counts). Measuring is cheap: until the
+    round skips the draft. The decision asks `plan` itself: with every running
+    request drafting and showing the running mean survival curve (from the
+    calibrated confidences of past drafting rows), what would the planned round
+    deliver per second, counting the draft time? Measuring is cheap: until the
     first measurement, and after `explore_every` undrafted rounds in a row, only
     the first request drafts (a one-row draft forward); each exploration that does
     not win the gate back doubles that interval (up to 8x), so a load where
-    drafting never pays spends little on it, while the estimate still follows the
-    text. Decisions use only past rounds, never the current round's draws, and
-    undrafted rows are lossless AR steps, so the output distribution is
+    drafting never pays spends little on it, while the estimate still follows
+    the text. Decisions use only past rounds, never the current round's draws,
+    and undrafted rows are lossless AR steps, so the output distribution is
     unchanged; the draft context is still extended for every row (its features
     come from the verify forward)."""
 
-    def __init__(self, table: CostTable, window: int, momentum: float = 0.7, explore_every: int = 8) -> None:
+    def __init__(self, table: CostTable, window: int, momentum: float = 0.7, explore_every: int = 8,
+                 min_survival: float = 0.0) -> None:
         if explore_every < 1:
             raise BlockspecError("explore_every must be >= 1")
-        self.table, self.window, self.momentum, self.explore_every = table, window, momentum, explore_every
-        self.tokens_per_request: float | None = None   # per drafting request and round; None: unmeasured
-        self.drafts_per_request: float | None = None
+        self.table, self.window, self.momentum = table, window, momentum
+        self.explore_every, self.min_survival = explore_every, min_survival
+        self.survival: torch.Tensor | None = None   # [window] mean prefix survival; None: unmeasured
         self.skipped = 0                         # undrafted rounds since the last drafting round
         self.interval = explore_every            # current exploration interval (backs off)
 
     def expected_rates(self, rows: int) -> tuple[float, float]:
         """(speculative, AR) expected tokens per second for `rows` running requests."""
-        tokens = 1.0 + self.window if self.tokens_per_request is None else self.tokens_per_request
-        drafts = float(self.window) if self.drafts_per_request is None else self.drafts_per_request
-        t_spec = self.table.draft_time(rows) + self.table.time(rows * (1.0 + drafts))
-        return float(rows * tokens / t_spec), float(rows / self.table.time(rows))
+        curve = torch.ones(self.window, dtype=torch.float64) if self.survival is None else self.survival
+        survival = curve.unsqueeze(0).expand(rows, -1)
+        t_draft = float(self.table.draft_time(rows))
+        lens = plan(survival, self.table, t_draft, self.min_survival)
+        admitted = torch.arange(self.window).unsqueeze(0) < lens.unsqueeze(1)
+        tokens = rows + float((survival * admitted).sum())
+        t_spec = t_draft + float(self.table.time(rows + int(lens.sum())))
+        return tokens / t_spec, float(rows / self.table.time(rows))
 
     def rows_to_draft(self, rows: int) -> int:
         """0 (AR round), 1 (explore with the first request) or `rows` (everyone drafts)."""
         if not self.table.has_draft_times or rows == 0:
             return rows
-        if self.tokens_per_request is None:
+        if self.survival is None:
             return 1
         spec, ar = self.expected_rates(rows)
         if spec > ar:
@@ -256,17 +260,18 @@ class DraftGate:
         self.skipped += 1
         return 0
 
-    def update(self, verified: list[int], accepted: list[float]) -> None:
-        """Record a drafting round: drafts verified and (expected) accepted per drafting request."""
-        if not verified:
+    def update(self, survival: torch.Tensor) -> None:
+        """Record a drafting round's prefix survival [k, g'] (g' <= window; slots never
+        drafted count as 0)."""
+        if survival.numel() == 0:
             return
-        tokens, drafts = 1 + sum(accepted) / len(accepted), sum(verified) / len(verified)
-        if self.tokens_per_request is None or self.drafts_per_request is None:
-            self.tokens_per_request, self.drafts_per_request = tokens, drafts
-            return
-        m = self.momentum
-        self.tokens_per_request = m * self.tokens_per_request + (1 - m) * tokens
-        self.drafts_per_request = m * self.drafts_per_request + (1 - m) * drafts
+        curve = torch.zeros(self.window, dtype=torch.float64)
+        mean = survival.detach().to("cpu", torch.float64).mean(0)
+        curve[:mean.shape[0]] = mean[:self.window]
+        if self.survival is None:
+            self.survival = curve
+        else:
+            self.survival = self.momentum * self.survival + (1 - self.momentum) * curve
 
 
 def _split(n: int, rows: int) -> torch.Tensor:
