@@ -191,9 +191,10 @@ def test_gate_asks_the_planner_with_the_mean_survival_curve():
     assert gate.survival.tolist() == pytest.approx([0.7, 0.3, 0.05])
 
 
-def test_gate_measures_with_one_row_then_follows_measurements():
+def test_gate_measures_with_few_rows_then_follows_measurements():
     gate = DraftGate(GATE_TABLE, window=3)
-    assert gate.rows_to_draft(16) == 1             # unmeasured: one cheap row explores
+    assert gate.rows_to_draft(16) == 4             # unmeasured: a few rows explore (explore_rows=4)
+    assert gate.rows_to_draft(2) == 2
     gate.update(torch.ones(1, 3))
     assert gate.rows_to_draft(1) == 1 and gate.rows_to_draft(16) == 0   # pays alone, not at 16 rows
     for _ in range(40):                            # drafts never accepted
@@ -202,7 +203,7 @@ def test_gate_measures_with_one_row_then_follows_measurements():
 
 
 def test_gate_explores_after_a_run_of_undrafted_rounds():
-    gate = DraftGate(GATE_TABLE, window=3, explore_every=4)
+    gate = DraftGate(GATE_TABLE, window=3, explore_every=4, explore_rows=1)
     gate.update(torch.zeros(1, 3))                 # drafting never pays
     decisions = [gate.rows_to_draft(16) for _ in range(4 + 8 + 16)]
     explored = [i for i, d in enumerate(decisions) if d]

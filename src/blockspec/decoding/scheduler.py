@@ -214,7 +214,7 @@ class DraftGate:
     calibrated confidences of past drafting rows), what would the planned round
     deliver per second, counting the draft time? Measuring is cheap: until the
     first measurement, and after `explore_every` undrafted rounds in a row, only
-    the first request drafts (a one-row draft forward); each exploration that does
+    the first `explore_rows` requests draft (a small draft forward); each exploration that does
     not win the gate back doubles that interval (up to 8x), so a load where
     drafting never pays spends little on it, while the estimate still follows
     the text. Decisions use only past rounds, never the current round's draws,
@@ -223,11 +223,11 @@ class DraftGate:
     come from the verify forward)."""
 
     def __init__(self, table: CostTable, window: int, momentum: float = 0.7, explore_every: int = 8,
-                 min_survival: float = 0.0) -> None:
+                 min_survival: float = 0.0, explore_rows: int = 4) -> None:
         if explore_every < 1:
             raise BlockspecError("explore_every must be >= 1")
         self.table, self.window, self.momentum = table, window, momentum
-        self.explore_every, self.min_survival = explore_every, min_survival
+        self.explore_every, self.min_survival, self.explore_rows = explore_every, min_survival, explore_rows
         self.survival: torch.Tensor | None = None   # [window] mean prefix survival; None: unmeasured
         self.skipped = 0                         # undrafted rounds since the last drafting round
         self.interval = explore_every            # current exploration interval (backs off)
@@ -244,11 +244,12 @@ class DraftGate:
         return tokens / t_spec, float(rows / self.table.time(rows))
 
     def rows_to_draft(self, rows: int) -> int:
-        """0 (AR round), 1 (explore with the first request) or `rows` (everyone drafts)."""
+        """0 (AR round), a few (explore with the first requests) or `rows` (everyone drafts)."""
         if not self.table.has_draft_times or rows == 0:
             return rows
+        explore = min(rows, self.explore_rows)
         if self.survival is None:
-            return 1
+            return explore
         spec, ar = self.expected_rates(rows)
         if spec > ar:
             self.skipped, self.interval = 0, self.explore_every
@@ -256,7 +257,7 @@ class DraftGate:
         if self.skipped + 1 >= self.interval:   # explore
             self.skipped = 0
             self.interval = min(2 * self.interval, 8 * self.explore_every)
-            return 1
+            return explore
         self.skipped += 1
         return 0
 
