@@ -119,7 +119,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         c, t = out.completions[0], out.timing
         print(f"[{args.method}] {len(c.tokens)} tokens in {elapsed:.2f}s ({len(c.tokens) / elapsed:.1f} tok/s), "
               f"tau {c.stats.tau:.2f} over {c.stats.rounds} rounds; prefill {t.prefill_s * 1e3:.0f} ms, "
-              f"draft {t.draft_s * 1e3:.0f} ms, verify {t.verify_s * 1e3:.0f} ms; finish: {c.finish_reason}",
+              f"draft {t.draft_s * 1e3:.0f} ms, verify {t.verify_s * 1e3:.0f} ms; finish: {c.finish_reason}"
+              + ("; the time includes compiling the decode step (once per process)" if args.compile else ""),
               file=sys.stderr)
 
 
