@@ -189,6 +189,9 @@ def test_gate_asks_the_planner_with_the_mean_survival_curve():
     assert spec == pytest.approx(tokens / (0.5 + float(GATE_TABLE.time(1 + int(lens[0])))))
     gate.update(torch.zeros(0, 3))                 # an empty round changes nothing
     assert gate.survival.tolist() == pytest.approx([0.7, 0.3, 0.05])
+    assert gate.expected_rates(1) == (spec, _)     # memoised ...
+    gate.update(torch.ones(1, 3))
+    assert gate.expected_rates(1)[0] > spec        # ... until the next measurement
 
 
 def test_gate_measures_with_few_rows_then_follows_measurements():
