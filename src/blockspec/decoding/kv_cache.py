@@ -46,11 +46,6 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v [rows, Hkv, T, D] written at slots [rows, T] of each row."""
-        if self.rows == 1 and not torch.compiler.is_compiling():
-            start = int(slots[0, 0])
-            self.k[layer, :, :, start:start + k.shape[2]] = k
-            self.v[layer, :, :, start:start + k.shape[2]] = v
-            return
         if torch.compiler.is_compiling():
             # Index the whole buffer, not a per-layer view: a traced write into a view
             # becomes a copy of the entire cache, a write into the buffer stays in place.
@@ -59,6 +54,11 @@ class KVCache:
                      torch.arange(k.shape[1], device=dev).view(1, -1, 1), slots.view(self.rows, 1, -1))
             self.k.index_put_(index, k)
             self.v.index_put_(index, v)
+            return
+        if self.rows == 1:
+            start = int(slots[0, 0])
+            self.k[layer, :, :, start:start + k.shape[2]] = k
+            self.v[layer, :, :, start:start + k.shape[2]] = v
             return
         row_idx = torch.arange(self.rows, device=slots.device).unsqueeze(1)
         # Advanced indices on dims 0 and 2 (with a slice between) put [rows, T] first.

@@ -231,16 +231,14 @@ class DraftGate:
         self.survival: torch.Tensor | None = None   # [window] mean prefix survival; None: unmeasured
         self.skipped = 0                         # undrafted rounds since the last drafting round
         self.interval = explore_every            # current exploration interval (backs off)
-        self._updates = 0
-        self._rates: dict[tuple[int, int], tuple[float, float]] = {}
+        self._rates: dict[int, tuple[float, float]] = {}   # by rows, until the next update
 
     def expected_rates(self, rows: int) -> tuple[float, float]:
         """(speculative, AR) expected tokens per second for `rows` running requests.
         Memoised until the next `update`: in AR stretches the gate costs a lookup."""
-        key = (rows, self._updates)
-        if key not in self._rates:
-            self._rates = {key: self._plan_rates(rows)}
-        return self._rates[key]
+        if rows not in self._rates:
+            self._rates[rows] = self._plan_rates(rows)
+        return self._rates[rows]
 
     def _plan_rates(self, rows: int) -> tuple[float, float]:
         curve = torch.ones(self.window, dtype=torch.float64) if self.survival is None else self.survival
@@ -275,7 +273,7 @@ class DraftGate:
         drafted count as 0)."""
         if survival.numel() == 0:
             return
-        self._updates += 1
+        self._rates.clear()
         curve = torch.zeros(self.window, dtype=torch.float64)
         mean = survival.detach().to("cpu", torch.float64).mean(0)
         curve[:mean.shape[0]] = mean[:self.window]

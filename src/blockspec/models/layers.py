@@ -13,6 +13,16 @@ from torch import nn
 from blockspec.config import RopeConfig
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim with any weight that broadcasts (e.g. per head [H, 1, D]
+    for q_norm and k_norm in one pass). Half precision is normalised in float32 and cast
+    back, like the reference implementations."""
+    if x.dtype in (torch.float32, torch.float64):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -22,10 +32,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in (torch.float32, torch.float64):
             return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
-        # Half precision: normalise in float32 like the reference implementations, cast back after.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -77,15 +84,6 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Neox rotation: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] (halves of the head dim)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-
-def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim with a per-head weight [H, 1, D] (q_norm and k_norm in one pass).
-    Half precision is normalised in float32 and cast back, as RMSNorm does."""
-    if x.dtype in (torch.float32, torch.float64):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 # CPU float32 inference runs its GEMMs through oneDNN with weights prepacked once
@@ -246,7 +244,7 @@ class Attention(nn.Module):
         heads = self._qkv.full(x).view(b, t, hq + 2 * hkv, self.head_dim).transpose(1, 2)
         qk = heads[:, :hq + hkv]
         if self.q_norm is not None:
-            qk = rms_norm_heads(qk, self._qk_norm_weight(), self.q_norm.eps)
+            qk = rms_norm(qk, self._qk_norm_weight(), self.q_norm.eps)
         qk = apply_rope(qk, cos, sin)
         return qk[:, :hq], qk[:, hq:], heads[:, hq + hkv:]
 
