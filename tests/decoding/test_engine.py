@@ -205,6 +205,54 @@ def test_gated_engine_with_greedy_and_sampled_requests(target64, requests):
     assert m["drafting_rounds"] > 0 and m["undrafted_request_rounds"] > 0
 
 
+class PatternGate:
+    """Drafts for the first rows_by_round[i] requests in round i (then everyone)."""
+
+    def __init__(self, rows_by_round: list[int]) -> None:
+        self.plan = list(rows_by_round)
+
+    def rows_to_draft(self, rows: int) -> int:
+        return min(rows, self.plan.pop(0)) if self.plan else rows
+
+    def update(self, survival: torch.Tensor) -> None:
+        pass
+
+
+def test_deferred_draft_context_equals_the_full_context(monkeypatch, target64, requests):
+    """AR rounds buffer the target features; after a flush every row's draft K/V equal
+    those of its whole committed sequence appended at once, through row moves too."""
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompts = [requests[i][0] for i in (0, 1, 2, 5)]
+    full = [p + generate(target64, [p], params).completions[0].tokens for p in prompts]
+    monkeypatch.setattr(engine_module, "propose", oracle_propose(full))  # multi-token accepts
+    engine = build(target64, "dspark-gated", max_running=3)
+    engine._gate = PatternGate([0, 0, 1, 0, 3, 0, 0, 0, 2, 0, 0])
+    for p in prompts[:3]:
+        engine.submit(p, params)
+    for _ in range(7):
+        engine.step()
+    assert engine.metrics()["drafts_accepted"] > 2
+    engine.cancel(engine._running[0].id)   # the last row moves into row 0
+    engine.submit(prompts[3], params)
+    for _ in range(4):
+        engine.step()
+    assert int(engine._pending.lengths.max()) > 1   # some rows really hold buffered context
+    rows = len(engine._running)
+    view, draft_view = engine._views(0, rows)
+    with torch.inference_mode():
+        engine._pending.flush(engine.draft, draft_view, 0, rows)
+        for row, req in enumerate(engine._running):
+            committed = req.prompt + req.state.tokens[:-1]   # everything but the next anchor
+            assert int(draft_view.lengths[row]) == int(view.lengths[row]) == len(committed)
+            target_cache = target64.new_cache(1, 64)
+            ref_cache = engine.draft.new_cache(1, 64)
+            prefill(target64, target_cache, [committed], RowSampler.from_params([SamplingParams()]),
+                    engine.draft, ref_cache)
+            n = len(committed)
+            torch.testing.assert_close(engine._draft_cache.k[:, row, :, :n], ref_cache.k[:, 0, :, :n])
+            torch.testing.assert_close(engine._draft_cache.v[:, row, :, :n], ref_cache.v[:, 0, :, :n])
+
+
 def test_packed_forward_equals_per_row_forward(target64):
     prompts, new = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12]], [[5, 6, 7], [], [2, 3]]
     cache = target64.new_cache(3, 32)

@@ -50,11 +50,15 @@ class Detokenizer(Protocol):
 # -- packed verification ------------------------------------------------------------
 
 def verify_packed(target: TargetModel, cache: KVCache, anchors: torch.Tensor, proposal: Proposal | None,
-                  sampler: RowSampler, num_drafts: torch.Tensor, draft: DraftModel | None = None,
-                  draft_cache: KVCache | None = None, rule: str = "rejection") -> Verdict:
+                  sampler: RowSampler, num_drafts: torch.Tensor, capture: tuple[int, ...] = (),
+                  rule: str = "rejection") -> tuple[Verdict, torch.Tensor | None]:
     """Packed counterpart of `speculate.verify_and_commit`: row r verifies
     [anchor, d_1..d_{num_drafts[r]}] in one ragged target forward; drafts past
-    num_drafts[r] count as not proposed. Keeps the accepted prefix in both caches."""
+    num_drafts[r] count as not proposed. Keeps the accepted prefix in the target cache.
+
+    Returns the verdict and, with `capture`, the captured features of each row's kept
+    tokens, [R, max(accepted + 1), F] (row r's first accepted[r] + 1 are valid): the
+    draft's next context."""
     r = anchors.shape[0]
     start = cache.lengths.clone()
     if proposal is None:  # AR: a zero-width proposal (rejection sampling needs a Q tensor)
@@ -67,7 +71,6 @@ def verify_packed(target: TargetModel, cache: KVCache, anchors: torch.Tensor, pr
     proposal = Proposal(proposal.tokens[:, :g], None if proposal.probs is None else proposal.probs[:, :g], None)
     seq = torch.cat([anchors.unsqueeze(1), proposal.tokens], dim=1)        # [R, g+1]
     valid = torch.arange(g + 1, device=seq.device).unsqueeze(0) <= num_drafts.unsqueeze(1)
-    capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
     out = target.forward_packed(seq[valid], num_drafts + 1, cache, capture=capture)
     # Back to [R, g+1]; slots past a row's own count stay zero (not proposed: never read).
     logits = out.logits.new_zeros(r, g + 1, out.logits.shape[-1])
@@ -75,11 +78,65 @@ def verify_packed(target: TargetModel, cache: KVCache, anchors: torch.Tensor, pr
     verdict = verify(logits, proposal.tokens, proposal.probs, sampler, num_drafts, rule)
     # Keep anchor + accepted drafts; the bonus gets its KV when it is the next anchor.
     cache.truncate(start + verdict.accepted + 1)
-    if draft is not None:
-        assert draft_cache is not None and out.features is not None
-        draft.append_context(draft_cache, unpack_rows(out.features[0], valid, verdict.accepted + 1),
-                             verdict.accepted + 1)
-    return verdict
+    if not capture:
+        return verdict, None
+    assert out.features is not None
+    return verdict, unpack_rows(out.features[0], valid, verdict.accepted + 1)
+
+
+class PendingContext:
+    """Target features of tokens each row has committed that the draft has not yet
+    turned into context K/V.
+
+    A gated engine runs stretches of AR rounds; projecting each round's one token per
+    row into every draft layer's K/V costs a few small GEMMs and KV writes per round.
+    Rows buffer the features here instead and hand them to the draft in one batch:
+    right before they draft, or for everyone when a buffer would overflow."""
+
+    def __init__(self, rows: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.buf: torch.Tensor | None = None     # [rows, capacity, F], allocated on first use
+        self.rows = rows
+        self.lengths = torch.zeros(rows, dtype=torch.long)
+
+    def add(self, features: torch.Tensor, counts: torch.Tensor) -> None:
+        """Row r (of the first features.shape[0]) appends its first counts[r] features."""
+        r, w, f = features.shape
+        if self.buf is None:
+            self.buf = features.new_zeros(self.rows, self.capacity, f)
+        counts = counts.to("cpu")
+        if int((self.lengths[:r] + counts).max()) > self.capacity:
+            raise BlockspecError("pending draft context overflow (flush before adding)")  # engine invariant
+        keep = torch.arange(w).unsqueeze(0) < counts.unsqueeze(1)
+        row_idx = torch.arange(r).unsqueeze(1).expand(r, w)[keep]
+        col_idx = (self.lengths[:r].unsqueeze(1) + torch.arange(w))[keep]
+        self.buf[row_idx.to(features.device), col_idx.to(features.device)] = features[keep.to(features.device)]
+        self.lengths[:r] += counts
+
+    def room(self, rows: int) -> int:
+        return self.capacity - int(self.lengths[:rows].max()) if rows else self.capacity
+
+    def flush(self, draft: DraftModel, cache: KVCache, start: int, stop: int) -> None:
+        """Append rows start..stop's buffered features to their draft context (cache:
+        the draft cache rows start..stop)."""
+        n = int(self.lengths[start:stop].max()) if stop > start else 0
+        if n == 0:
+            return
+        assert self.buf is not None
+        draft.append_context(cache, self.buf[start:stop, :n], self.lengths[start:stop].to(cache.lengths.device))
+        self.lengths[start:stop] = 0
+
+    def clear(self, start: int, stop: int) -> None:
+        self.lengths[start:stop] = 0
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        if not src:
+            return
+        if self.buf is not None:
+            n = int(self.lengths[src].max())
+            self.buf[dst, :n] = self.buf[src, :n]
+        self.lengths[dst] = self.lengths[src]
+        self.lengths[src] = 0
 
 
 def pad_rows(proposal: Proposal, rows: int, vocab: int | None = None) -> Proposal:
@@ -294,11 +351,16 @@ class Engine:
         self.max_model_len = self._model_len(max_model_len)
         margin = self.draft.config.block_size + 2 if self.draft is not None else 2
         self.slot_capacity = self.max_model_len + margin
+        # Buffered draft context: room for two rounds' tokens (rows flush before they
+        # draft); the draft cache gets that much extra room for a flush's padding.
+        self.pending_capacity = max(32, 2 * (self.draft.config.block_size + 1)) if self.draft is not None else 0
         self.row_bytes = self._row_bytes()
         self.rows = self._rows(max_running, kv_memory_gb)
         with torch.inference_mode():  # inference tensors: every later write happens in inference mode
             self._cache = target.new_cache(self.rows, self.slot_capacity)
-            self._draft_cache = self.draft.new_cache(self.rows, self.slot_capacity) if self.draft else None
+            self._draft_cache = (self.draft.new_cache(self.rows, self.slot_capacity + self.pending_capacity)
+                                 if self.draft else None)
+        self._pending = PendingContext(self.rows, self.pending_capacity) if self.draft else None
         self._lock = threading.Lock()        # queue, cancellations, counters
         self._step_lock = threading.Lock()   # one step at a time; caches change only under it
         self._wake = threading.Event()
@@ -342,13 +404,17 @@ class Engine:
 
     def _row_bytes(self) -> int:
         """Bytes of one slot: K and V of every target (and draft) layer."""
-        def cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-            return 2 * layers * kv_heads * self.slot_capacity * head_dim * torch.finfo(dtype).bits // 8
+        def cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, slots: int) -> int:
+            return 2 * layers * kv_heads * slots * head_dim * torch.finfo(dtype).bits // 8
         tc = self.target.config
-        total = cache_bytes(tc.num_hidden_layers, tc.num_key_value_heads, tc.head_dim, self.target.dtype)
+        total = cache_bytes(tc.num_hidden_layers, tc.num_key_value_heads, tc.head_dim, self.target.dtype,
+                            self.slot_capacity)
         if self.draft is not None:
             dc = self.draft.config
-            total += cache_bytes(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim, self.draft.dtype)
+            total += cache_bytes(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim, self.draft.dtype,
+                                 self.slot_capacity + self.pending_capacity)
+            # The pending-context buffer: features of the selected target layers.
+            total += self.pending_capacity * len(dc.target_layer_ids) * dc.hidden_size * 4
         return total
 
     def _rows(self, max_running: int, kv_memory_gb: float | None) -> int:
@@ -529,6 +595,8 @@ class Engine:
         view.lengths.zero_()
         if draft_view is not None:
             draft_view.lengths.zero_()
+            assert self._pending is not None
+            self._pending.clear(first, last)
         sampler = batch_sampler([r.params for r in new], [r.generator for r in new], self.target.device)
         anchors = prefill(self.target, view, [r.prompt for r in new], sampler, self.draft, draft_view)
         for req, tok in zip(new, anchors.tolist()):
@@ -553,6 +621,7 @@ class Engine:
         proposal = None
         if k:
             sub_view = draft_view if k == r else draft_view.slice_rows(0, k)
+            self._pending.flush(self.draft, sub_view, 0, k)
             sub_sampler = sampler if k == r else sampler.select(list(range(k)))
             min_survival = self.min_survival if self.cost_table is not None else 0.0
             proposal = propose(self.draft, self.target, sub_view, anchors[:k], sub_sampler,
@@ -562,8 +631,12 @@ class Engine:
         if proposal is not None and k < r:
             proposal = pad_rows(proposal, r, None if sampler.all_greedy else self.target.config.vocab_size)
         t2 = time.perf_counter()
-        verdict = verify_packed(self.target, view, anchors, proposal, sampler, lens, self.draft, draft_view,
-                                self.rule)
+        capture = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
+        verdict, features = verify_packed(self.target, view, anchors, proposal, sampler, lens, capture, self.rule)
+        if features is not None:
+            self._pending.add(features, verdict.accepted + 1)
+            if self._pending.room(r) <= self.draft.config.num_drafts:  # the next round could overflow it
+                self._pending.flush(self.draft, draft_view, 0, r)
         t3 = time.perf_counter()
         self._commit(reqs, proposal, lens, verdict, k)
         self._times["draft"] += t1 - t0
@@ -659,6 +732,8 @@ class Engine:
         self._cache.move_rows(movers, holes)
         if self._draft_cache is not None:
             self._draft_cache.move_rows(movers, holes)
+            self._pending.move_rows(movers, holes)
+            self._pending.clear(live, len(self._running))
         with self._lock:
             for row in done:
                 self._live.pop(self._running[row].id, None)
