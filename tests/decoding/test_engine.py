@@ -32,7 +32,7 @@ SCHED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0])
 # The same, plus draft times: drafting is cheap for one running request, too dear for more,
 # so the draft gate mixes drafted and plain AR rounds.
 GATED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0], draft_rows=[1, 2, 3], draft_times_s=[0.05, 3.0, 3.0])
-CONFIGS = ["ar", "dflash", "dspark", "dspark-scheduled", "dspark-gated"]
+CONFIGS = ["ar", "dflash", "dspark", "dspark-scheduled", "dspark-gated", "dflash-gated"]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,9 @@ def build(target, config: str, block_size: int = 4, max_running: int = 3, max_mo
     kw.update(max_running=max_running, max_model_len=max_model_len)
     if config == "ar":
         return Engine(target, method="ar", **kw)
-    if config == "dflash":
-        return Engine(target, make_draft(target, "zlab", block_size), "dflash", **kw)
+    if config in ("dflash", "dflash-gated"):  # gated: full window, the gate learns from acceptance
+        gate = dict(draft_gate=True, cost_table=GATED_TABLE) if config == "dflash-gated" else {}
+        return Engine(target, make_draft(target, "zlab", block_size), "dflash", **kw, **gate)
     draft = make_draft(target, "deepspec", block_size, markov_rank=4, markov_type="gated", confidence=True)
     table = {"dspark-scheduled": SCHED_TABLE, "dspark-gated": GATED_TABLE}.get(config)
     return Engine(target, draft, "dspark", scheduled=table is not None, cost_table=table, **kw)
@@ -124,7 +125,7 @@ def test_greedy_with_arrivals_and_cancellations_equals_ar(monkeypatch, target64,
     assert packed[0] == m["rounds"] and proposals[0] == m["drafting_rounds"]
     if config == "ar":
         assert m["drafting_rounds"] == 0
-    elif config == "dspark-gated":  # the gate really skipped some drafts and kept others
+    elif config.endswith("-gated"):  # the gate really skipped some drafts and kept others
         assert 0 < m["undrafted_request_rounds"] < m["request_rounds"]
         assert 0 < m["drafting_rounds"] < m["rounds"]
     elif config != "ar":
@@ -302,6 +303,10 @@ def sample_under_load(engine: Engine, params: SamplingParams) -> torch.Tensor:
 def sampling_engine(target, method: str) -> Engine:
     if method == "dflash":
         return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24)
+    if method == "dflash-gated":
+        table = CostTable([1, 10000], [1.0, 51.0], draft_rows=[1, 10000], draft_times_s=[0.01, 500.0])
+        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24,
+                      cost_table=table, draft_gate=True)
     draft = make_draft(target, "deepspec", 3, seed=5, markov_rank=4, markov_type="gated", confidence=True)
     table = CostTable([1, 10000], [1.0, 51.0])
     if method == "dspark-gated":  # drafting pays only with few running requests
@@ -313,6 +318,7 @@ def sampling_engine(target, method: str) -> Engine:
     ("dflash", SamplingParams(temperature=1.0)),
     ("dspark-scheduled", SamplingParams(temperature=0.7, top_p=0.8)),
     ("dspark-gated", SamplingParams(temperature=1.0, top_k=6)),
+    ("dflash-gated", SamplingParams(temperature=0.8, top_p=0.9)),
 ])
 def test_batched_sampling_follows_target_distribution(target12, method, params):
     engine = sampling_engine(target12, method)
@@ -323,7 +329,7 @@ def test_batched_sampling_follows_target_distribution(target12, method, params):
     if method == "dspark-scheduled":  # the planner really varied the lengths
         assert all(m["verified_histogram"].get(k, 0) > 100 for k in range(4))
         assert sum(m["accepted_histogram"].get(k, 0) for k in (1, 2, 3)) > 200
-    if method == "dspark-gated":
+    if method.endswith("-gated"):
         assert 0 < m["undrafted_request_rounds"] < m["request_rounds"]
 
 
@@ -372,6 +378,18 @@ def test_too_big_request_is_rejected_and_others_continue(target64, requests):
         Engine(target64, max_running=1).submit([1] * 250, SamplingParams(max_new_tokens=10))
     with pytest.raises(BlockspecError, match="max_model_len"):
         Engine(target64, max_model_len=1000)
+
+
+def test_draft_gate_needs_a_speculative_method_and_draft_times(target64):
+    draft = make_draft(target64, "zlab", 4)
+    with pytest.raises(BlockspecError, match="draft_gate needs"):
+        Engine(target64, draft, "dflash", draft_gate=True)                         # no table
+    with pytest.raises(BlockspecError, match="draft_gate needs"):
+        Engine(target64, draft, "dflash", draft_gate=True, cost_table=SCHED_TABLE)  # no draft times
+    with pytest.raises(BlockspecError, match="draft_gate needs"):
+        Engine(target64, None, "ar", draft_gate=True, cost_table=GATED_TABLE)
+    assert Engine(target64, draft, "dflash", draft_gate=True, cost_table=GATED_TABLE).metrics()["draft_gate"]
+    assert not Engine(target64, draft, "dflash", cost_table=GATED_TABLE).metrics()["draft_gate"]
 
 
 def test_kv_budget_sets_the_slot_count(target64):

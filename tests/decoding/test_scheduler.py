@@ -194,6 +194,17 @@ def test_gate_asks_the_planner_with_the_mean_survival_curve():
     assert gate.expected_rates(1)[0] > spec        # ... until the next measurement
 
 
+def test_full_window_gate_prices_every_draft():
+    """DFlash / unscheduled DSpark verify every draft: the rate counts the whole window."""
+    gate = DraftGate(GATE_TABLE, window=3, full_window=True)
+    gate.update(torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))   # measured prefix acceptance
+    spec, ar = gate.expected_rates(16)
+    assert spec == pytest.approx((16 + 16 * 1.5) / (8.0 + 4.0))    # 16 rows x 4 tokens = T(64)
+    planned = DraftGate(GATE_TABLE, window=3)
+    planned.update(torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+    assert planned.expected_rates(16)[0] > spec                   # the planner drops the dead slot
+
+
 def test_gate_measures_with_few_rows_then_follows_measurements():
     gate = DraftGate(GATE_TABLE, window=3)
     assert gate.rows_to_draft(16) == 4             # unmeasured: a few rows explore (explore_rows=4)

@@ -291,6 +291,23 @@ def test_speculation_aliases(dirs):
     assert (engine.method, engine.rows, engine.max_model_len, name) == ("dflash", 2, 64, target_dir)
     with pytest.raises(BlockspecError, match="scheduled"):
         build_engine(serve_args("--target", target_dir, "--cost-table", "t.json"))
+    with pytest.raises(BlockspecError, match="--draft-gate needs --cost-table"):
+        build_engine(serve_args("--target", target_dir, "--draft", draft_dir, "--draft-gate"))
+
+
+def test_draft_gate_flag_gates_any_speculative_method(dirs, tmp_path):
+    from blockspec.decoding.scheduler import profile_cost_table
+    from blockspec.models.checkpoint import load_draft
+
+    target_dir, draft_dir = map(str, dirs)
+    target = load_target(target_dir)
+    table = profile_cost_table(target, [1, 2, 4], repeats=1, rows=2, context=4, warmup=0,
+                               draft=load_draft(draft_dir, target=target), draft_rows=[1, 2])
+    table.save(tmp_path / "table.json")
+    engine, _, _ = build_engine(serve_args("--target", target_dir, "--draft", draft_dir, "--draft-gate",
+                                           "--cost-table", str(tmp_path / "table.json"), "--max-model-len", "64"))
+    m = engine.metrics()
+    assert (m["method"], m["draft_gate"], m["scheduled"]) == ("dflash", True, False)
 
 
 # -- SIGTERM on a real `blockspec serve` process ------------------------------------------------------------

@@ -323,17 +323,27 @@ class Engine:
     slots that fit in kv_memory_gb GiB of target + draft KV); each slot holds
     max_model_len positions (default: the target's max_position_embeddings).
     min_survival (scheduled): drafts whose prefix survival is below it are neither
-    drafted nor verified."""
+    drafted nor verified.
+    draft_gate: skip drafting in rounds where the cost table (with draft times)
+    predicts a plain AR round is faster (`scheduler.DraftGate`); None = on for
+    scheduled DSpark given such a table. With dflash / unscheduled dspark the
+    drafting rows verify the full window and the gate learns from their measured
+    acceptance."""
 
     def __init__(self, target: TargetModel, draft: DraftModel | None = None, method: str = "ar",
                  scheduled: bool = False, max_running: int = 32, kv_memory_gb: float | None = None,
                  max_model_len: int | None = None, cost_table: CostTable | None = None,
                  rule: str = "rejection", tokenizer: Detokenizer | None = None,
-                 min_survival: float = 0.02) -> None:
+                 min_survival: float = 0.02, draft_gate: bool | None = None) -> None:
         check_method(method, draft)
         if draft is not None and method != "ar":
             draft.config.check_target(target.config)
         self._check_scheduling(method, draft, scheduled, cost_table, target)
+        if draft_gate is None:
+            draft_gate = scheduled and cost_table is not None and cost_table.has_draft_times
+        if draft_gate and (method == "ar" or cost_table is None or not cost_table.has_draft_times):
+            raise BlockspecError("draft_gate needs a speculative method and a cost table with draft times "
+                                 "(blockspec profile --draft ...)")
         if rule not in ("rejection", "match"):
             raise BlockspecError(f"unknown verification rule {rule!r} (choose rejection or match)")
         if not 0.0 <= min_survival < 1.0:
@@ -344,10 +354,13 @@ class Engine:
         self.target, self.method, self.rule, self.tokenizer = target, method, rule, tokenizer
         self.draft = draft if method != "ar" else None
         self.cost_table = cost_table if scheduled else None
-        # Scheduled mode also decides whether a round drafts at all (needs draft times in the table).
-        self._gate = (DraftGate(cost_table, draft.config.num_drafts, min_survival=self.min_survival)
-                      if scheduled and cost_table is not None and draft is not None and cost_table.has_draft_times
-                      else None)
+        self._gate = None
+        if draft_gate:
+            assert draft is not None and cost_table is not None
+            if not scheduled:
+                cost_table.check_target(target)
+            self._gate = DraftGate(cost_table, draft.config.num_drafts, min_survival=self.min_survival,
+                                   full_window=not scheduled)
         self.max_model_len = self._model_len(max_model_len)
         margin = self.draft.config.block_size + 2 if self.draft is not None else 2
         self.slot_capacity = self.max_model_len + margin
@@ -534,7 +547,8 @@ class Engine:
             s = self._stats
             rounds = s["request_rounds"]
             return {
-                "method": self.method, "scheduled": self.cost_table is not None, "slots": self.rows,
+                "method": self.method, "scheduled": self.cost_table is not None,
+                "draft_gate": self._gate is not None, "slots": self.rows,
                 "slot_capacity": self.slot_capacity, "max_model_len": self.max_model_len,
                 "kv_bytes_per_slot": self.row_bytes,
                 "kv_bytes_in_use": len(self._running) * self.row_bytes,
@@ -633,6 +647,11 @@ class Engine:
         t2 = time.perf_counter()
         capture = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
         verdict, features = verify_packed(self.target, view, anchors, proposal, sampler, lens, capture, self.rule)
+        if self._gate is not None and proposal is not None and self.cost_table is None:
+            # Full window: every draft was verified, so the accepted prefix is the survival outcome.
+            g = proposal.tokens.shape[1]
+            self._gate.update((torch.arange(g, device=device).unsqueeze(0)
+                               < verdict.accepted[:k].unsqueeze(1)).double())
         if features is not None:
             self._pending.add(features, verdict.accepted + 1)
             if self._pending.room(r) <= self.draft.config.num_drafts:  # the next round could overflow it

@@ -219,13 +219,18 @@ class DraftGate:
     drafting never pays spends little on it, while the estimate still follows
     the text. Decisions use only past rounds, never the current round's draws,
     and undrafted rows are lossless AR steps, so the output distribution is
-    unchanged; the draft context is still extended for every row (its features
-    come from the verify forward)."""
+    unchanged; the draft context still grows for every row (its features come
+    from the verify forward; the engine buffers them until the row drafts).
+
+    full_window: the drafting rows verify every draft (DFlash, DSpark unscheduled)
+    instead of the planned lengths; their survival curve is then the measured
+    prefix acceptance (`update` with 0/1 outcomes), which needs no confidence head."""
 
     def __init__(self, table: CostTable, window: int, momentum: float = 0.7, explore_every: int = 8,
-                 min_survival: float = 0.0, explore_rows: int = 4) -> None:
+                 min_survival: float = 0.0, explore_rows: int = 4, full_window: bool = False) -> None:
         if explore_every < 1:
             raise BlockspecError("explore_every must be >= 1")
+        self.full_window = full_window
         self.table, self.window, self.momentum = table, window, momentum
         self.explore_every, self.min_survival, self.explore_rows = explore_every, min_survival, explore_rows
         self.survival: torch.Tensor | None = None   # [window] mean prefix survival; None: unmeasured
@@ -244,7 +249,8 @@ class DraftGate:
         curve = torch.ones(self.window, dtype=torch.float64) if self.survival is None else self.survival
         survival = curve.unsqueeze(0).expand(rows, -1)
         t_draft = float(self.table.draft_time(rows))
-        lens = plan(survival, self.table, t_draft, self.min_survival)
+        lens = (torch.full((rows,), self.window, dtype=torch.long) if self.full_window
+                else plan(survival, self.table, t_draft, self.min_survival))
         admitted = torch.arange(self.window).unsqueeze(0) < lens.unsqueeze(1)
         tokens = rows + float((survival * admitted).sum())
         t_spec = t_draft + float(self.table.time(rows + int(lens.sum())))

@@ -115,8 +115,11 @@ def build_engine(args: argparse.Namespace):
     from blockspec.decoding.scheduler import CostTable
 
     spec = resolve_speculation(args)
-    if args.cost_table and not args.scheduled:
-        raise BlockspecError("--cost-table is used by scheduled verification only; add --scheduled")
+    if args.cost_table and not (args.scheduled or args.draft_gate):
+        raise BlockspecError("--cost-table is used by scheduled verification and the draft gate only; "
+                             "add --scheduled or --draft-gate")
+    if args.draft_gate and not args.cost_table:
+        raise BlockspecError("--draft-gate needs --cost-table (blockspec profile --draft ...)")
     models = argparse.Namespace(target=args.target, draft=spec.draft, method=spec.method,
                                 block_size=spec.block_size, dtype=args.dtype)
     target, tokenizer, draft = load_models(models)
@@ -125,6 +128,7 @@ def build_engine(args: argparse.Namespace):
     table = CostTable.load(args.cost_table) if args.cost_table else None
     engine = Engine(target, draft, spec.method, scheduled=args.scheduled, max_running=args.max_running,
                     kv_memory_gb=args.kv_memory_gb, max_model_len=args.max_model_len, cost_table=table,
+                    draft_gate=True if args.draft_gate else None,
                     tokenizer=tokenizer)
     return engine, tokenizer, args.served_model_name or args.target or "blockspec"
 
@@ -181,7 +185,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     p.set_defaults(method=None)  # None: from the aliases, else from the draft, else ar
     p.add_argument("--scheduled", action="store_true", help="DSpark confidence-scheduled verification")
-    p.add_argument("--cost-table", default=None, help="verify cost table JSON (with --scheduled)")
+    p.add_argument("--cost-table", default=None, help="verify cost table JSON (with --scheduled / --draft-gate)")
+    p.add_argument("--draft-gate", action="store_true",
+                   help="skip drafting in rounds where the cost table predicts plain AR is faster (any "
+                        "speculative method; on by default with --scheduled and a table with draft times)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
