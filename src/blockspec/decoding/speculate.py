@@ -79,8 +79,7 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
     for k in range(g):
         if k % chunk == 0:
             base = target.lm_head(slots[:, k:k + chunk].to(target.dtype)).float()
-        bias, state = head.step(prev_tok, slots[:, k], state)
-        logits_k = base[:, k % chunk] + bias.float()
+        logits_k, state = head.add_to(base[:, k % chunk], prev_tok, slots[:, k], state)
         if greedy:  # no distribution needed: the greedy rule compares tokens only
             tok = logits_k.argmax(-1, keepdim=True)
         else:

@@ -47,6 +47,17 @@ class MarkovHead(nn.Module):
         new_state = g * state + (1 - g) * torch.tanh(cand)
         return self.markov_w2(torch.tanh(out)), new_state
 
+    def add_to(self, base: torch.Tensor, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One slot's corrected logits: base [B, V] (float) + the bias of `step`.
+
+        Drafting calls this once per slot in a sequential loop, where per-op overhead
+        dominates: the vanilla head is then one embedding lookup and one fused addmm."""
+        if self.kind == "vanilla" and base.dtype == self.markov_w2.weight.dtype and base.dim() == 2:
+            return torch.addmm(base, self.markov_w1(prev), self.markov_w2.weight.t()), state
+        bias, state = self.step(prev, h, state)
+        return base + bias.float(), state
+
     def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """All slots at once given the true previous tokens: prev [B, S], h [B, S, H] -> [B, S, V]."""
         if self.kind != "rnn":
