@@ -160,9 +160,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     """Measure the verify cost table T(n) that DSpark's scheduler plans with."""
     from blockspec import embedded
     from blockspec.decoding.scheduler import profile_cost_table
-    from blockspec.models.checkpoint import load_target
-
-    from blockspec.models.checkpoint import load_draft
+    from blockspec.models.checkpoint import load_draft, load_target
 
     target = load_target(Path(args.target) if args.target else embedded.default_target(), dtype=args.dtype)
     ns = [int(x) for x in args.tokens.split(",")] if args.tokens else list(range(1, args.max_tokens + 1))
@@ -179,6 +177,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
               "ms": {n: round(t * 1e3, 3) for n, t in zip(table.ns, table.times_s)}}
     if table.has_draft_times:
         report["draft_ms"] = {r: round(t * 1e3, 3) for r, t in zip(table.draft_rows, table.draft_times_s)}
+    if table.draft_times_1_s:
+        report["draft_1slot_ms"] = {r: round(t * 1e3, 3) for r, t in zip(table.draft_rows, table.draft_times_1_s)}
     print(json.dumps(report))
 
 

@@ -119,6 +119,26 @@ def test_json_round_trip(tmp_path):
     assert CostTable.load(path) == table
 
 
+def test_draft_time_by_slots_drafted(tmp_path):
+    """DSpark's early stop: a round that drafted s of the window's slots costs between
+    the one-slot and the full-window time, linearly in s."""
+    table = CostTable([1, 8], [1.0, 2.0], draft_rows=[1, 4], draft_times_s=[5.0, 9.0],
+                      draft_times_1_s=[1.0, 3.0], draft_window=9)
+    assert float(table.draft_time(1)) == pytest.approx(5.0)               # no slots given: the full round
+    assert float(table.draft_time(1, slots=1)) == pytest.approx(1.0)
+    assert float(table.draft_time(1, slots=5)) == pytest.approx(3.0)
+    assert float(table.draft_time(4, slots=9)) == pytest.approx(9.0)
+    assert float(table.draft_time(4, slots=40)) == pytest.approx(9.0)     # clamped to the window
+    table.save(tmp_path / "t.json")
+    assert CostTable.load(tmp_path / "t.json") == table
+    plain = CostTable([1, 8], [1.0, 2.0], draft_rows=[1, 4], draft_times_s=[5.0, 9.0])
+    assert float(plain.draft_time(1, slots=1)) == pytest.approx(5.0)       # old tables: the full round
+    with pytest.raises(BlockspecError, match="draft_window"):
+        CostTable([1], [1.0], draft_rows=[1], draft_times_s=[2.0], draft_times_1_s=[1.0])
+    with pytest.raises(BlockspecError, match="draft_time_1slot_s"):
+        CostTable([1], [1.0], draft_rows=[1, 2], draft_times_s=[2.0, 3.0], draft_times_1_s=[1.0], draft_window=4)
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.pop("time_s"), "missing required key 'time_s'"),
     (lambda d: d.update(format="other"), "not a blockspec cost table"),
@@ -205,6 +225,21 @@ def test_full_window_gate_prices_every_draft():
     assert planned.expected_rates(16)[0] > spec                   # the planner drops the dead slot
 
 
+def test_gate_prices_drafts_by_the_slots_rounds_really_drafted():
+    table = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 8.0],
+                      draft_times_1_s=[0.1, 1.6], draft_window=3)
+    gate = DraftGate(table, window=3, momentum=0.5)
+    gate.update(torch.ones(1, 3))
+    full, _ = gate.expected_rates(1)
+    assert full == pytest.approx(4 / (0.5 + 1.0))
+    gate.update(torch.ones(1, 1))              # a round that stopped after one slot
+    assert gate.slots == pytest.approx(2.0)
+    spec, _ = gate.expected_rates(1)
+    survival = gate.survival                   # [1, 0.5, 0.5]: every slot still planned (T(4) = T(1))
+    assert spec == pytest.approx((1 + float(survival.sum())) / (float(table.draft_time(1, slots=2)) + 1.0))
+    assert float(table.draft_time(1, slots=2)) == pytest.approx(0.3)
+
+
 def test_gate_measures_with_few_rows_then_follows_measurements():
     gate = DraftGate(GATE_TABLE, window=3)
     assert gate.rows_to_draft(16) == 4             # unmeasured: a few rows explore (explore_rows=4)
@@ -269,6 +304,7 @@ def test_profile_with_a_draft_measures_draft_rounds():
                                draft_rows=[2, 1])
     assert table.draft_rows == [1, 2] and len(table.draft_times_s) == 2
     assert all(t > 0 for t in table.draft_times_s)
+    assert table.draft_window == 3 and all(0 < a <= b for a, b in zip(table.draft_times_1_s, table.draft_times_s))
 
 
 # -- the survival floor: skipped drafts never change the plan -------------------------

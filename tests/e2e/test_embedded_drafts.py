@@ -42,3 +42,26 @@ def test_cli_generate_uses_embedded_draft_by_default(tmp_path, method):
                           env=env)
     assert proc.returncode == 0, proc.stderr
     assert f"[{method}]" in proc.stderr and "tau" in proc.stderr
+
+
+def test_cli_profile_with_the_embedded_draft(tmp_path):
+    """`blockspec profile --draft embedded`: verify times, draft round times, and the
+    one-slot draft times that price DSpark's early-stopped rounds; the engine loads it."""
+    import json
+
+    from blockspec import Engine
+    from blockspec.decoding.scheduler import CostTable
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "blockspec.cli", "profile", "--tokens", "1,4", "--repeats", "1",
+                           "--rows", "2", "--context", "8", "--draft", "embedded", "--draft-rows", "1,2",
+                           "--out", "t.json"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert set(report["ms"]) == {"1", "4"} and set(report["draft_ms"]) == set(report["draft_1slot_ms"]) == {"1", "2"}
+    table = CostTable.load(tmp_path / "t.json")
+    target = load_target(embedded.default_target())
+    draft = load_draft(embedded.default_draft("dspark"), target=target)
+    assert table.draft_window == draft.config.num_drafts
+    engine = Engine(target, draft, "dspark", scheduled=True, cost_table=table, max_running=2, max_model_len=64)
+    assert engine.metrics()["draft_gate"]

@@ -673,7 +673,7 @@ class Engine:
         if table is None or proposal.confidence is None:
             lens[:k] = g
             return lens
-        draft_s = float(table.draft_time(k)) if table.has_draft_times else 0.0
+        draft_s = float(table.draft_time(k, slots=g)) if table.has_draft_times else 0.0
         survival = torch.cumprod(proposal.confidence, dim=1)
         lens[:k] = plan(survival, table, draft_s, self.min_survival, base_rows=r).to(device)
         if self._gate is not None:  # used from the next round on

@@ -87,7 +87,13 @@ class CostTable:
     Optionally also the draft round time `draft_times_s[i]` (one draft forward plus
     its sampling) for `draft_rows[i]` requests, which lets the engine skip drafting
     when a plain AR round is expected to be faster (see `DraftGate`). Between
-    measured points times are interpolated linearly (see `interpolate`)."""
+    measured points times are interpolated linearly (see `interpolate`).
+
+    DSpark drafts slot by slot and stops early when every row's survival falls
+    below the floor, so a round's draft time depends on how many slots it drafted:
+    with `draft_times_1_s` (the same rounds drafting one slot) and `draft_window`
+    (slots drafted in `draft_times_s`), `draft_time(rows, slots)` interpolates
+    between the two."""
 
     ns: list[int]
     times_s: list[float]
@@ -97,11 +103,19 @@ class CostTable:
     meta: dict[str, Any] = field(default_factory=dict)
     draft_rows: list[int] = field(default_factory=list)
     draft_times_s: list[float] = field(default_factory=list)
+    draft_times_1_s: list[float] = field(default_factory=list)
+    draft_window: int = 0
 
     def __post_init__(self) -> None:
         check_points(self.ns, self.times_s, "n", "time_s")
         if self.draft_rows or self.draft_times_s:
             check_points(self.draft_rows, self.draft_times_s, "draft_rows", "draft_time_s")
+        if self.draft_times_1_s:
+            check_points(self.draft_rows, self.draft_times_1_s, "draft_rows", "draft_time_1slot_s")
+            if not isinstance(self.draft_window, int) or isinstance(self.draft_window, bool) or self.draft_window < 1:
+                raise BlockspecError(f"cost table: draft_window must be a positive integer with "
+                                     f"draft_time_1slot_s, got {self.draft_window!r}")
+        self.draft_times_1_s = [float(t) for t in self.draft_times_1_s]
         for name in ("model", "dtype", "machine"):
             if not isinstance(getattr(self, name), str):
                 raise BlockspecError(f"cost table: '{name}' must be a string")
@@ -116,11 +130,17 @@ class CostTable:
     def has_draft_times(self) -> bool:
         return bool(self.draft_rows)
 
-    def draft_time(self, rows: torch.Tensor | int) -> torch.Tensor:
-        """Interpolated draft round time for `rows` requests (needs draft times)."""
+    def draft_time(self, rows: torch.Tensor | int, slots: float | None = None) -> torch.Tensor:
+        """Interpolated draft round time for `rows` requests (needs draft times); with
+        `slots` and one-slot times, for a round that drafted that many slots."""
         if not self.draft_rows:
             raise BlockspecError("this cost table has no draft times (profile it with a draft)")
-        return interpolate(self.draft_rows, self.draft_times_s, rows)
+        full = interpolate(self.draft_rows, self.draft_times_s, rows)
+        if slots is None or not self.draft_times_1_s or self.draft_window <= 1:
+            return full
+        one = interpolate(self.draft_rows, self.draft_times_1_s, rows)
+        frac = (min(max(float(slots), 1.0), float(self.draft_window)) - 1) / (self.draft_window - 1)
+        return one + (full - one).clamp(min=0) * frac
 
     def sps(self, n: torch.Tensor | int) -> torch.Tensor:
         """Verify steps per second, 1 / T(n)."""
@@ -141,6 +161,8 @@ class CostTable:
                "machine": self.machine, "n": self.ns, "time_s": self.times_s, "meta": self.meta}
         if self.draft_rows:
             out.update(draft_rows=self.draft_rows, draft_time_s=self.draft_times_s)
+        if self.draft_times_1_s:
+            out.update(draft_time_1slot_s=self.draft_times_1_s, draft_window=self.draft_window)
         return out
 
     @classmethod
@@ -158,7 +180,8 @@ class CostTable:
             raise BlockspecError(f"{where}: 'meta' must be an object")
         try:
             return cls(raw["n"], raw["time_s"], raw["model"], raw["dtype"], raw["machine"], meta,
-                       raw.get("draft_rows", []), raw.get("draft_time_s", []))
+                       raw.get("draft_rows", []), raw.get("draft_time_s", []),
+                       raw.get("draft_time_1slot_s", []), raw.get("draft_window", 0))
         except BlockspecError as exc:
             raise BlockspecError(f"{where}: {exc}") from None
 
@@ -234,6 +257,7 @@ class DraftGate:
         self.table, self.window, self.momentum = table, window, momentum
         self.explore_every, self.min_survival, self.explore_rows = explore_every, min_survival, explore_rows
         self.survival: torch.Tensor | None = None   # [window] mean prefix survival; None: unmeasured
+        self.slots = float(window)               # running mean of slots a drafting round drafted
         self.skipped = 0                         # undrafted rounds since the last drafting round
         self.interval = explore_every            # current exploration interval (backs off)
         self._rates: dict[int, tuple[float, float]] = {}   # by rows, until the next update
@@ -248,7 +272,7 @@ class DraftGate:
     def _plan_rates(self, rows: int) -> tuple[float, float]:
         curve = torch.ones(self.window, dtype=torch.float64) if self.survival is None else self.survival
         survival = curve.unsqueeze(0).expand(rows, -1)
-        t_draft = float(self.table.draft_time(rows))
+        t_draft = float(self.table.draft_time(rows, slots=self.slots))
         lens = (torch.full((rows,), self.window, dtype=torch.long) if self.full_window
                 else plan(survival, self.table, t_draft, self.min_survival))
         admitted = torch.arange(self.window).unsqueeze(0) < lens.unsqueeze(1)
@@ -275,18 +299,20 @@ class DraftGate:
         return 0
 
     def update(self, survival: torch.Tensor) -> None:
-        """Record a drafting round's prefix survival [k, g'] (g' <= window; slots never
-        drafted count as 0)."""
+        """Record a drafting round's prefix survival [k, g'] (g' <= window: the slots it
+        drafted, which also prices the next rounds' drafts; slots never drafted count as 0)."""
         if survival.numel() == 0:
             return
         self._rates.clear()
         curve = torch.zeros(self.window, dtype=torch.float64)
         mean = survival.detach().to("cpu", torch.float64).mean(0)
         curve[:mean.shape[0]] = mean[:self.window]
+        drafted = float(min(survival.shape[1], self.window))
         if self.survival is None:
-            self.survival = curve
+            self.survival, self.slots = curve, drafted
         else:
             self.survival = self.momentum * self.survival + (1 - self.momentum) * curve
+            self.slots = self.momentum * self.slots + (1 - self.momentum) * drafted
 
 
 def _split(n: int, rows: int) -> torch.Tensor:
@@ -335,21 +361,30 @@ def profile_cost_table(target: TargetModel, ns: list[int], repeats: int = 5, *, 
             if i >= warmup:
                 samples.append(time.perf_counter() - t0)
         times.append(max(min(samples), times[-1] if times else 0.0))
-    d_rows, d_times = [], []
+    d_rows: list[int] = []
+    d_times: list[float] = []
+    d_times_1: list[float] = []
+    window = 0
     if draft is not None:
         d_rows = sorted(set(int(r) for r in (draft_rows or [1, 2, 4, 8, 16, 32])))
         d_times = profile_draft(target, draft, d_rows, repeats=repeats, context=context, warmup=warmup, seed=seed)
+        window = draft.config.num_drafts
+        if window > 1:
+            d_times_1 = profile_draft(target, draft, d_rows, repeats=repeats, context=context, warmup=warmup,
+                                      seed=seed, slots=1)
+            d_times_1 = [min(a, b) for a, b in zip(d_times_1, d_times)]   # never dearer than the full round
     return CostTable(ns, times, model=model_signature(target), dtype=dtype_name(target.dtype),
                      machine=machine_signature(device),
                      meta={"rows": rows, "context": context, "repeats": repeats, "capture": list(capture)},
-                     draft_rows=d_rows, draft_times_s=d_times)
+                     draft_rows=d_rows, draft_times_s=d_times, draft_times_1_s=d_times_1,
+                     draft_window=window if d_times_1 else 0)
 
 
 @torch.inference_mode()
 def profile_draft(target: TargetModel, draft: "DraftModel", rows_list: list[int], repeats: int = 5, *,
-                  context: int = 128, warmup: int = 2, seed: int = 0) -> list[float]:
-    """Time of one draft round (`speculate.propose`, greedy) for each number of rows: the
-    fastest of `repeats`, never falling as rows grow."""
+                  context: int = 128, warmup: int = 2, seed: int = 0, slots: int | None = None) -> list[float]:
+    """Time of one draft round (`speculate.propose`, greedy, `slots` drafts; default the
+    full window) for each number of rows: the fastest of `repeats`, never falling as rows grow."""
     from blockspec.config import SamplingParams
     from blockspec.decoding.sampling import RowSampler
     from blockspec.decoding.speculate import propose
@@ -370,7 +405,7 @@ def profile_draft(target: TargetModel, draft: "DraftModel", rows_list: list[int]
         for i in range(warmup + repeats):
             _sync(device)
             t0 = time.perf_counter()
-            propose(draft, target, cache, anchors, sampler)
+            propose(draft, target, cache, anchors, sampler, num_drafts=slots)
             _sync(device)
             if i >= warmup:
                 samples.append(time.perf_counter() - t0)
