@@ -1,7 +1,7 @@
 """Copy trained drafts into the package and write each RECIPE.md from the run's own
 records (train_config.json, log.jsonl): no hand-typed figures.
 
-    python recipes/ship_drafts.py [--runs runs] [--suffix 2] [--data runs/regen2/train.jsonl]
+    python recipes/ship_drafts.py [--runs runs] [--suffix 3] [--data runs/regen2/train.jsonl]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 ASSETS = Path(__file__).resolve().parents[1] / "src" / "blockspec" / "assets"
 
 
-def ship(run: Path, name: str, data: Path, history: str = "") -> None:
+def ship(run: Path, name: str, data: Path, history: str = "", suffix: str = "3") -> None:
     cfg = json.loads((run / "train_config.json").read_text())
     log = [json.loads(line) for line in open(run / "log.jsonl")]
     evals = [(r["step"], r["eval"]["tau"]) for r in log if "eval" in r]
@@ -52,7 +52,7 @@ Held-out greedy tau during training (16 held-out prompts, 64 new tokens, tau inc
 
 ```bash
 bash recipes/train_drafts.sh     # regenerate data with the target, then train both drafts
-python recipes/ship_drafts.py    # copies runs/{{dflash,dspark}}2/draft here and writes this file
+python recipes/ship_drafts.py    # copies runs/{{dflash,dspark}}{suffix}/draft here and writes this file
 ```
 
 {history}
@@ -66,8 +66,8 @@ Exact training config (seed {cfg['seed']}; `max_steps` as of the last (re)start)
 Data: `blockspec regenerate --prompts runs/corpus ...` (see recipes/train_drafts.sh): random
 code prefixes from the corpus' training split, continued greedily by the target
 (160 new tokens each); the first {cfg['eval_examples']} examples are held out for the tau above.
-Warm start (`init_from_target`): the draft layer starts as a copy of the target's
-last decoder layer, `fc` passes the deepest captured feature through.
+Warm start (`init_from_target`): draft layer i starts as a copy of target layer
+L-n+i (the last n layers), `fc` passes the deepest captured feature through.
 """
     (dest / "RECIPE.md").write_text(text)
     print(f"shipped {name}: {size_mb:.1f} MB, last tau {evals[-1][1] if evals else 'n/a'}")
@@ -76,12 +76,12 @@ last decoder layer, `fc` passes the deepest captured feature through.
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", default="runs")
-    ap.add_argument("--suffix", default="2", help="run directories are RUNS/{dflash,dspark}SUFFIX")
+    ap.add_argument("--suffix", default="3", help="run directories are RUNS/{dflash,dspark}SUFFIX")
     ap.add_argument("--data", default="runs/regen2/train.jsonl")
     ap.add_argument("--history", default="", help="how the run was started / resumed (written into RECIPE.md)")
     args = ap.parse_args()
     for name in ("dflash", "dspark"):
-        ship(Path(args.runs) / f"{name}{args.suffix}", name, Path(args.data), args.history)
+        ship(Path(args.runs) / f"{name}{args.suffix}", name, Path(args.data), args.history, args.suffix)
 
 
 if __name__ == "__main__":

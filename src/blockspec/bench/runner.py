@@ -348,7 +348,7 @@ def _cost_table(target: TargetModel, drafts: Sequence[DraftModel], path: str | P
     capture = tuple(drafts[0].config.target_layer_ids)
     table = profile_cost_table(target, list(range(1, window + 1)), repeats=3, rows=1, capture=capture,
                                draft=drafts[0], draft_rows=[1])
-    notes.append(f"dspark-scheduled: cost table profiled at start (n = 1..{window} and one draft round, "
+    notes.append(f"dspark-scheduled: cost table profiled at start (n = 1..{window}, full and one-slot draft rounds, "
                  "batch 1, fastest of 3)")
     return table
 
