@@ -374,6 +374,7 @@ class Engine:
             self._draft_cache = (self.draft.new_cache(self.rows, self.slot_capacity + self.pending_capacity)
                                  if self.draft else None)
         self._pending = PendingContext(self.rows, self.pending_capacity) if self.draft else None
+        self._capture = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
         self._lock = threading.Lock()        # queue, cancellations, counters
         self._step_lock = threading.Lock()   # one step at a time; caches change only under it
         self._wake = threading.Event()
@@ -609,8 +610,6 @@ class Engine:
         view.lengths.zero_()
         if draft_view is not None:
             draft_view.lengths.zero_()
-            assert self._pending is not None
-            self._pending.clear(first, last)
         sampler = batch_sampler([r.params for r in new], [r.generator for r in new], self.target.device)
         anchors = prefill(self.target, view, [r.prompt for r in new], sampler, self.draft, draft_view)
         for req, tok in zip(new, anchors.tolist()):
@@ -645,13 +644,10 @@ class Engine:
         if proposal is not None and k < r:
             proposal = pad_rows(proposal, r, None if sampler.all_greedy else self.target.config.vocab_size)
         t2 = time.perf_counter()
-        capture = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
-        verdict, features = verify_packed(self.target, view, anchors, proposal, sampler, lens, capture, self.rule)
-        if self._gate is not None and proposal is not None and self.cost_table is None:
-            # Full window: every draft was verified, so the accepted prefix is the survival outcome.
-            g = proposal.tokens.shape[1]
-            self._gate.update((torch.arange(g, device=device).unsqueeze(0)
-                               < verdict.accepted[:k].unsqueeze(1)).double())
+        verdict, features = verify_packed(self.target, view, anchors, proposal, sampler, lens, self._capture,
+                                          self.rule)
+        if self._gate is not None and proposal is not None:  # used from the next round on
+            self._gate.update(self._survival(proposal, verdict.accepted[:k]))
         if features is not None:
             self._pending.add(features, verdict.accepted + 1)
             if self._pending.room(r) <= self.draft.config.num_drafts:  # the next round could overflow it
@@ -674,11 +670,17 @@ class Engine:
             lens[:k] = g
             return lens
         draft_s = float(table.draft_time(k, slots=g)) if table.has_draft_times else 0.0
-        survival = torch.cumprod(proposal.confidence, dim=1)
-        lens[:k] = plan(survival, table, draft_s, self.min_survival, base_rows=r).to(device)
-        if self._gate is not None:  # used from the next round on
-            self._gate.update(survival)
+        lens[:k] = plan(self._survival(proposal), table, draft_s, self.min_survival, base_rows=r).to(device)
         return lens
+
+    def _survival(self, proposal: Proposal, accepted: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefix survival of the drafting rows [k, g]: from the confidences when the
+        planner trims the window, else (every draft verified) the measured outcome."""
+        if self.cost_table is not None and proposal.confidence is not None:
+            return torch.cumprod(proposal.confidence, dim=1)
+        assert accepted is not None
+        g = proposal.tokens.shape[1]
+        return (torch.arange(g, device=accepted.device).unsqueeze(0) < accepted.unsqueeze(1)).double()
 
     def _commit(self, reqs: list[Request], proposal: Proposal | None, lens: torch.Tensor,
                 verdict: Verdict, drafting: int) -> None:
