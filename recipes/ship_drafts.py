@@ -1,87 +1,138 @@
-"""Copy trained drafts into the package and write each RECIPE.md from the run's own
+"""Copy trained drafts into the package and write each RECIPE.md from the runs' own
 records (train_config.json, log.jsonl): no hand-typed figures.
 
-    python recipes/ship_drafts.py [--runs runs] [--suffix 3] [--data runs/regen2/train.jsonl]
+A draft trained in stages (`--init-from` an earlier run's draft) is traced back
+through the run directories beside it; every stage gets a row and its own
+held-out tau curve.
+
+    python recipes/ship_drafts.py --dflash runs/gpu1/dflash4c --dspark runs/gpu1/dspark4c \
+        --data runs/gpu1/regen_train.jsonl.gz
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import shutil
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "src" / "blockspec" / "assets"
 
+CPU_COMMANDS = """```bash
+bash recipes/train_drafts.sh     # regenerate data with the target, then train both drafts (CPU)
+python recipes/ship_drafts.py --dflash runs/dflash3 --dspark runs/dspark3
+```"""
+GPU_COMMANDS = """```bash
+bash recipes/train_drafts_gpu.sh prepare            # CPU machine: corpus, first 4000 examples, HumanEval prompts
+bash recipes/train_drafts_gpu.sh regen train bench  # GPU machine (carry .gpu/), one call
+bash recipes/train_drafts_gpu.sh more1              # then, in the same machine's runs/gpu
+bash recipes/train_drafts_gpu.sh more2
+python recipes/ship_drafts.py --dflash RUNS/dflash4c --dspark RUNS/dspark4c --data RUNS/regen_train.jsonl.gz
+```
+The first stage's data and the 2-layer drafts it continues come from `recipes/train_drafts.sh`
+(CPU); `--time-budget-s` fits each stage's step count to its wall-time budget after timing
+its first 20 steps, so a rerun on other hardware takes a different number of steps: pass
+`--max-steps` with the counts in the table above to repeat them exactly."""
 
-def ship(run: Path, name: str, data: Path, history: str = "", suffix: str = "3") -> None:
-    cfg = json.loads((run / "train_config.json").read_text())
-    log = [json.loads(line) for line in open(run / "log.jsonl")]
-    evals = [(r["step"], r["eval"]["tau"]) for r in log if "eval" in r]
-    dest = ASSETS / name
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(run / "draft", dest)
+
+def stages(run: Path) -> list[Path]:
+    """The run and the earlier runs it continued from, oldest first."""
+    chain = [run]
+    while True:
+        init = json.loads((chain[0] / "train_config.json").read_text()).get("init_from")
+        earlier = run.parent / Path(init).parent.name if init else None
+        if earlier is None or earlier in chain or not (earlier / "train_config.json").is_file():
+            return chain
+        chain.insert(0, earlier)
+
+
+def read_log(run: Path) -> list[dict]:
+    return [json.loads(line) for line in open(run / "log.jsonl")]
+
+
+def count_lines(path: Path) -> int:
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+        return sum(1 for _ in f)
+
+
+def recipe_text(name: str, chain: list[Path], dest: Path, n_examples: int) -> str:
     draft_cfg = json.loads((dest / "config.json").read_text())
     size_mb = sum(f.stat().st_size for f in dest.glob("*.safetensors")) / 1e6
-    n_examples = sum(1 for _ in open(data))
-    last = log[-1]
+    first = json.loads((chain[0] / "train_config.json").read_text())
     layout = "z-lab DFlash (`DFlashDraftModel`)" if name == "dflash" else "DeepSpec DSpark (`Qwen3DSparkModel`)"
-    curve = "\n".join(f"| {s} | {t:.3f} |" for s, t in evals)
-    text = f"""# Embedded {name} draft: recipe
+    rows, curves, configs = [], [], []
+    for run in chain:
+        cfg = json.loads((run / "train_config.json").read_text())
+        log = read_log(run)
+        evals = [(r["step"], r["eval"]["tau"]) for r in log if "eval" in r]
+        start = ("warm start from the target's last layers" if cfg.get("init_from_target") and not cfg.get("init_from")
+                 else f"`{cfg['init_from']}`" if cfg.get("init_from") else "random init")
+        rows.append(f"| {run.name} | {cfg['device']} | {start} | {log[-1]['step']} | {log[-1]['time_s']} | "
+                    f"{cfg['lr']} | {cfg['seed']} | {log[-1]['loss']} | {evals[-1][1] if evals else 'n/a'} |")
+        curves.append(f"{run.name}: " + ", ".join(f"{s}: {t:.3f}" for s, t in evals))
+        configs.append(f"{run.name}:\n```json\n{json.dumps(cfg, indent=2)}\n```")
+    gpu = any(json.loads((r / "train_config.json").read_text())["device"] != "cpu" for r in chain)
+    stage_rows = "\n".join(rows)
+    curve_lines = "\n".join(f"- {c}" for c in curves)
+    config_text = "\n\n".join(configs)
+    return f"""# Embedded {name} draft: recipe
 
 {layout} layout, trained by `blockspec train` for the embedded target
 (`../target`). block_size {draft_cfg['block_size']}, {draft_cfg['num_hidden_layers']} layer(s),
 target_layer_ids {draft_cfg.get('dflash_config', draft_cfg).get('target_layer_ids')}, {size_mb:.1f} MB of bf16 weights.
 
-## Training record (from the run's log)
+## Training record (from the runs' logs)
 
-| what | value |
-|---|---|
-| steps | {last['step']} |
-| wall time (s) | {last['time_s']} |
-| final loss | {last['loss']} |
-| training examples (target-regenerated) | {n_examples} |
+Trained in {len(chain)} stage(s), each continuing the one above it:
 
-Held-out greedy tau during training (16 held-out prompts, 64 new tokens, tau includes the bonus token):
+| stage | device | starts from | steps | wall time (s) | lr | seed | final loss | final held-out tau |
+|---|---|---|---|---|---|---|---|---|
+{stage_rows}
 
-| step | tau |
-|---|---|
-{curve}
+Training examples (target-regenerated): {n_examples}. Held-out greedy tau during training
+({first['eval_examples']} held-out examples, {first['eval_new_tokens']} new tokens, tau includes the bonus
+token), step: tau per stage:
+
+{curve_lines}
 
 ## Commands
 
-```bash
-bash recipes/train_drafts.sh     # regenerate data with the target, then train both drafts
-python recipes/ship_drafts.py    # copies runs/{{dflash,dspark}}{suffix}/draft here and writes this file
-```
+{GPU_COMMANDS if gpu else CPU_COMMANDS}
 
-{history}
-
-Exact training config (seed {cfg['seed']}; `max_steps` as of the last (re)start):
-
-```json
-{json.dumps(cfg, indent=2)}
-```
-
-Data: `blockspec regenerate --prompts runs/corpus ...` (see recipes/train_drafts.sh): random
-code prefixes from the corpus' training split, continued greedily by the target
-(160 new tokens each); the first {cfg['eval_examples']} examples are held out for the tau above.
+Data: `blockspec regenerate --prompts runs/corpus --seed 0 --max-new-tokens 160 ...`: random
+code prefixes from the corpus' training split, continued greedily by the target; the
+first {first['eval_examples']} examples are held out for the tau above.
 Warm start (`init_from_target`): draft layer i starts as a copy of target layer
 L-n+i (the last n layers), `fc` passes the deepest captured feature through.
+
+## Exact training configs
+
+{config_text}
 """
-    (dest / "RECIPE.md").write_text(text)
-    print(f"shipped {name}: {size_mb:.1f} MB, last tau {evals[-1][1] if evals else 'n/a'}")
+
+
+def ship(run: Path, name: str, data: Path) -> None:
+    chain = stages(run)
+    dest = ASSETS / name
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(run / "draft", dest)
+    (dest / "RECIPE.md").write_text(recipe_text(name, chain, dest, count_lines(data)))
+    print(f"shipped {name} from {run} ({len(chain)} stage(s))")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", default="runs")
-    ap.add_argument("--suffix", default="3", help="run directories are RUNS/{dflash,dspark}SUFFIX")
-    ap.add_argument("--data", default="runs/regen2/train.jsonl")
-    ap.add_argument("--history", default="", help="how the run was started / resumed (written into RECIPE.md)")
+    ap.add_argument("--dflash", type=Path, help="run directory of the DFlash draft to ship")
+    ap.add_argument("--dspark", type=Path, help="run directory of the DSpark draft to ship")
+    ap.add_argument("--data", type=Path, default=Path("runs/regen2/train.jsonl"),
+                    help="the training data (jsonl or jsonl.gz), for its example count")
     args = ap.parse_args()
-    for name in ("dflash", "dspark"):
-        ship(Path(args.runs) / f"{name}{args.suffix}", name, Path(args.data), args.history, args.suffix)
+    if not (args.dflash or args.dspark):
+        ap.error("name at least one of --dflash / --dspark")
+    for name, run in (("dflash", args.dflash), ("dspark", args.dspark)):
+        if run is not None:
+            ship(run, name, args.data)
 
 
 if __name__ == "__main__":

@@ -125,13 +125,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> None:
+    import torch
+
     from blockspec import embedded
     from blockspec.models.checkpoint import load_target
     from blockspec.models.tokenizer import Tokenizer
     from blockspec.training.data import load_prompts, regenerate
 
     target_dir = Path(args.target) if args.target else embedded.default_target()
-    target = load_target(target_dir, dtype=args.dtype)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(target_dir, dtype=args.dtype, device=device)
     prompts = load_prompts(args.prompts, Tokenizer(target_dir), args.num_prompts, seed=args.seed)
     n = regenerate(target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                    temperature=args.temperature, seed=args.seed)
@@ -280,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
     p.set_defaults(func=cmd_regenerate)
 
     from blockspec.training.trainer import TrainConfig

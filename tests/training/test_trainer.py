@@ -12,7 +12,8 @@ import pytest
 
 from blockspec.config import DraftConfig
 from blockspec.models.checkpoint import load_draft, load_target
-from blockspec.training.trainer import TrainConfig, train
+from blockspec.errors import BlockspecError
+from blockspec.training.trainer import BUDGET_CALIBRATION_STEPS, TrainConfig, fit_to_budget, train
 from conftest import write_pattern_data, write_tiny_target_dir
 
 
@@ -50,6 +51,31 @@ def test_loss_decreases_and_draft_saved(setup, method, block):
     else:
         assert raw["markov_rank"] == 8 and raw["enable_confidence_head"] is True
     assert DraftConfig.from_dict(raw).num_drafts == (block - 1 if method == "dflash" else block)
+
+
+def test_time_budget_fits_the_step_count_once_timed():
+    cfg = TrainConfig(method="dflash", target="t", data="d", time_budget_s=100.0)
+    n = BUDGET_CALIBRATION_STEPS
+    assert fit_to_budget(cfg, n - 1, 10_000, 0, 9.0, 9.0) == 10_000      # still timing
+    # 20 steps in 10 s -> 0.5 s/step; 85% of the 90 s left -> 153 more steps.
+    assert fit_to_budget(cfg, n, 10_000, 0, 10.0, 10.0) == n + 153
+    assert fit_to_budget(cfg, n, 50, 0, 10.0, 10.0) == 50                   # never more than asked
+    assert fit_to_budget(cfg, 70, 173, 0, 99.0, 100.5) == 70                # spent: stop here
+    assert fit_to_budget(TrainConfig(method="dflash", target="t", data="d"), 70, 173, 0, 1e9, 1e9) == 173
+    with pytest.raises(BlockspecError, match="time_budget_s"):
+        TrainConfig(method="dflash", target="t", data="d", time_budget_s=-1).validate()
+
+
+def test_time_budget_stops_and_saves(setup):
+    out = setup / "out-budget"
+    result = train(TrainConfig(method="dflash", target=str(setup / "target"), data=str(setup / "data.jsonl"),
+                               out=str(out), block_size=4, num_anchors=4, batch_size=2, max_steps=100_000,
+                               eval_every=100_000, eval_examples=2, eval_new_tokens=4, threads=1,
+                               time_budget_s=1e-3))
+    # The budget is spent after the first step: training ends there, evaluated and saved.
+    assert result["steps"] == result["total_steps"] == 1
+    last = json.loads(open(out / "log.jsonl").readlines()[-1])
+    assert last["total"] == 1 and "eval" in last and (out / "draft" / "config.json").is_file()
 
 
 def test_resume_continues_from_state(setup):

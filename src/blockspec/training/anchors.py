@@ -48,22 +48,25 @@ def sample_anchors(loss_mask: torch.Tensor, span: int, num_anchors: int, gen: to
 
 def pack_blocks(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
                 mask_token_id: int) -> PackedBlocks:
+    """Built on the inputs' device (on a GPU the [B, 1, A*S, T+A*S] mask never crosses PCIe)."""
     b, t = input_ids.shape
     a = anchors.shape[1]
     s = block_size
-    slot = torch.arange(s)
+    dev = input_ids.device
+    slot = torch.arange(s, device=dev)
     positions = (anchors.unsqueeze(-1) + slot).reshape(b, a * s)
-    block_ids = torch.full((b, a, s), mask_token_id, dtype=torch.long)
+    block_ids = torch.full((b, a, s), mask_token_id, dtype=torch.long, device=dev)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
     # Query i belongs to block i // s; context key j is visible iff j < anchor of that block.
     q_anchor = anchors.repeat_interleave(s, dim=1)                                  # [B, N]
     q_valid = valid.repeat_interleave(s, dim=1)
-    ctx_mask = torch.arange(t).view(1, 1, t) < q_anchor.unsqueeze(-1)                # [B, N, T]
-    q_block = torch.arange(a * s) // s
+    ctx_mask = torch.arange(t, device=dev).view(1, 1, t) < q_anchor.unsqueeze(-1)    # [B, N, T]
+    q_block = torch.arange(a * s, device=dev) // s
     own = (q_block.view(-1, 1) == q_block.view(1, -1)).expand(b, -1, -1)            # [B, N, N]
     mask = torch.cat([ctx_mask, own], dim=-1) & q_valid.unsqueeze(-1)
     # Padded queries still need one visible key (their own slot) to avoid NaNs.
-    diag = torch.zeros(a * s, t + a * s, dtype=torch.bool)
-    diag[torch.arange(a * s), t + torch.arange(a * s)] = True
+    diag = torch.zeros(a * s, t + a * s, dtype=torch.bool, device=dev)
+    rows = torch.arange(a * s, device=dev)
+    diag[rows, t + rows] = True
     mask = mask | (~q_valid.unsqueeze(-1) & diag)
     return PackedBlocks(anchors, valid, block_ids.reshape(b, a * s), positions, mask.unsqueeze(1))

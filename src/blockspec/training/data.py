@@ -32,10 +32,12 @@ def load_prompts(source: str, tokenizer: Tokenizer, limit: int, seed: int = 0,
         if not corpus.is_file():
             raise BlockspecError(f"prompts: {path} has no train.jsonl")
         texts = [json.loads(line)["text"] for line in corpus.open()]
-        prompts = []
+        prompts, encoded = [], {}
         while len(prompts) < limit:
-            text = rng.choice(texts)
-            ids = tokenizer.encode(text)
+            k = rng.randrange(len(texts))   # same draws as rng.choice: prompt sets stay reproducible
+            if k not in encoded:            # a file is encoded once however often it is drawn
+                encoded[k] = tokenizer.encode(texts[k])
+            ids = encoded[k]
             if len(ids) <= min_tokens + 64:
                 continue
             start = rng.randrange(0, len(ids) - min_tokens - 64)

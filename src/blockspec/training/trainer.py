@@ -67,6 +67,7 @@ class TrainConfig:
     bf16: bool = False
     device: str = "auto"
     threads: int = 0
+    time_budget_s: float = 0.0          # > 0: fit max_steps to this wall time (timed over the first steps)
 
     def validate(self) -> None:
         if self.method not in ("dflash", "dspark"):
@@ -80,6 +81,8 @@ class TrainConfig:
             raise BlockspecError("train: a z-lab DFlash block needs block_size >= 2 (it includes the anchor)")
         if not 0 < self.lr < 1:
             raise BlockspecError("train: lr must be in (0, 1)")
+        if self.time_budget_s < 0:
+            raise BlockspecError("train: time_budget_s must be >= 0")
 
     @property
     def layout(self) -> str:
@@ -142,9 +145,8 @@ def block_loss(draft: DraftModel, target: TargetModel, ids: torch.Tensor, loss_m
         out = target(ids, capture=tuple(cfg.target_layer_ids))
     anchors, valid = sample_anchors(loss_mask.cpu(), g, num_anchors, gen)
     anchors, valid = anchors.to(ids.device), valid.to(ids.device)
-    packed = pack_blocks(ids.cpu(), anchors.cpu(), valid.cpu(), cfg.block_size, cfg.mask_token_id)
-    hidden = draft(out.features, packed.block_ids.to(ids.device), packed.positions.to(ids.device),
-                   packed.mask.to(ids.device), target.embed_tokens)
+    packed = pack_blocks(ids, anchors, valid, cfg.block_size, cfg.mask_token_id)
+    hidden = draft(out.features, packed.block_ids, packed.positions, packed.mask, target.embed_tokens)
     b, a = anchors.shape
     h = hidden.view(b, a, cfg.block_size, -1)[:, :, first:first + g]           # [B, A, g, H]
     label_pos = anchors.unsqueeze(-1) + 1 + torch.arange(g, device=ids.device)  # token a+k+1 for draft k
@@ -205,6 +207,24 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
 
 
+BUDGET_CALIBRATION_STEPS = 20
+
+
+def fit_to_budget(cfg: TrainConfig, step: int, total: int, run_start_step: int, run_s: float,
+                  elapsed_s: float) -> int:
+    """The step count that ends training inside cfg.time_budget_s: once, after the first
+    steps of this run are timed (with 15% left for evaluations and saving), and as a
+    hard stop when the budget is spent anyway."""
+    if cfg.time_budget_s <= 0:
+        return total
+    if elapsed_s >= cfg.time_budget_s:
+        return step
+    if step - run_start_step == BUDGET_CALIBRATION_STEPS:
+        per_step = run_s / BUDGET_CALIBRATION_STEPS
+        return min(total, step + max(1, int(0.85 * (cfg.time_budget_s - elapsed_s) / per_step)))
+    return total
+
+
 def train(cfg: TrainConfig) -> dict:
     cfg.validate()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -215,6 +235,9 @@ def train(cfg: TrainConfig) -> dict:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if use_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True   # float32 training at tensor-core speed
+        torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(cfg.seed)
 
     target = load_target(cfg.target, dtype="bfloat16" if cfg.bf16 else "float32", device=device)
@@ -253,6 +276,7 @@ def train(cfg: TrainConfig) -> dict:
     from rich.progress import Progress
 
     t_start = time.time() - elapsed
+    run_start, run_t0 = step, time.time()
     with Progress(disable=rank != 0) as bar:
         task = bar.add_task(f"train {cfg.method}", total=total, completed=step)
         while step < total:
@@ -274,10 +298,18 @@ def train(cfg: TrainConfig) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            budgeted = fit_to_budget(cfg, step, total, run_start, time.time() - run_t0, time.time() - t_start)
+            if world > 1 and cfg.time_budget_s > 0:   # every rank stops where rank 0 does
+                shared = torch.tensor([budgeted], device=device)
+                dist.broadcast(shared, 0)
+                budgeted = int(shared.item())
+            if budgeted != total:
+                total = budgeted
+                bar.update(task, total=total)
             assert parts is not None
             record = {"step": step, "loss": round(parts.total.item(), 4), "ce": round(parts.ce.item(), 4),
                       "lr": lr_at(step - 1, total, cfg), "grad_norm": round(grad_norm, 3),
-                      "time_s": round(time.time() - t_start, 1)}
+                      "total": total, "time_s": round(time.time() - t_start, 1)}
             if parts.l1 is not None:
                 record["l1"] = round(parts.l1.item(), 4)
             if parts.bce is not None:
@@ -296,7 +328,7 @@ def train(cfg: TrainConfig) -> dict:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
             bar.update(task, completed=step, description=f"train {cfg.method} loss {record['loss']:.3f}")
-    result = {"steps": step, "history": history, "rank": rank, "world": world,
+    result = {"steps": step, "total_steps": total, "history": history, "rank": rank, "world": world,
               "param_checksum": float(sum(p.detach().double().sum() for p in params))}
     if world > 1:
         dist.barrier()
