@@ -56,24 +56,33 @@ def count_lines(path: Path) -> int:
         return sum(1 for _ in f)
 
 
+STAGE_HEADER = """| stage | device | starts from | steps | wall time (s) | lr | seed | final loss | final held-out tau |
+|---|---|---|---|---|---|---|---|---|"""
+
+
+def stage_row(run: Path) -> str:
+    cfg = json.loads((run / "train_config.json").read_text())
+    log = read_log(run)
+    evals = [r["eval"]["tau"] for r in log if "eval" in r]
+    start = ("warm start from the target's last layers" if cfg.get("init_from_target") and not cfg.get("init_from")
+             else f"`{cfg['init_from']}`" if cfg.get("init_from") else "random init")
+    return (f"| {run.name} | {cfg['device']} | {start} | {log[-1]['step']} | {log[-1]['time_s']} | "
+            f"{cfg['lr']} | {cfg['seed']} | {log[-1]['loss']} | {evals[-1] if evals else 'n/a'} |")
+
+
 def recipe_text(name: str, chain: list[Path], dest: Path, n_examples: int) -> str:
     draft_cfg = json.loads((dest / "config.json").read_text())
     size_mb = sum(f.stat().st_size for f in dest.glob("*.safetensors")) / 1e6
     first = json.loads((chain[0] / "train_config.json").read_text())
     layout = "z-lab DFlash (`DFlashDraftModel`)" if name == "dflash" else "DeepSpec DSpark (`Qwen3DSparkModel`)"
-    rows, curves, configs = [], [], []
+    curves, configs = [], []
     for run in chain:
         cfg = json.loads((run / "train_config.json").read_text())
-        log = read_log(run)
-        evals = [(r["step"], r["eval"]["tau"]) for r in log if "eval" in r]
-        start = ("warm start from the target's last layers" if cfg.get("init_from_target") and not cfg.get("init_from")
-                 else f"`{cfg['init_from']}`" if cfg.get("init_from") else "random init")
-        rows.append(f"| {run.name} | {cfg['device']} | {start} | {log[-1]['step']} | {log[-1]['time_s']} | "
-                    f"{cfg['lr']} | {cfg['seed']} | {log[-1]['loss']} | {evals[-1][1] if evals else 'n/a'} |")
+        evals = [(r["step"], r["eval"]["tau"]) for r in read_log(run) if "eval" in r]
         curves.append(f"{run.name}: " + ", ".join(f"{s}: {t:.3f}" for s, t in evals))
         configs.append(f"{run.name}:\n```json\n{json.dumps(cfg, indent=2)}\n```")
     gpu = any(json.loads((r / "train_config.json").read_text())["device"] != "cpu" for r in chain)
-    stage_rows = "\n".join(rows)
+    stage_rows = "\n".join(stage_row(run) for run in chain)
     curve_lines = "\n".join(f"- {c}" for c in curves)
     config_text = "\n\n".join(configs)
     return f"""# Embedded {name} draft: recipe
@@ -86,8 +95,7 @@ target_layer_ids {draft_cfg.get('dflash_config', draft_cfg).get('target_layer_id
 
 Trained in {len(chain)} stage(s), each continuing the one above it:
 
-| stage | device | starts from | steps | wall time (s) | lr | seed | final loss | final held-out tau |
-|---|---|---|---|---|---|---|---|---|
+{STAGE_HEADER}
 {stage_rows}
 
 Training examples (target-regenerated): {n_examples}. Held-out greedy tau during training
@@ -127,7 +135,17 @@ def main() -> None:
     ap.add_argument("--dspark", type=Path, help="run directory of the DSpark draft to ship")
     ap.add_argument("--data", type=Path, default=Path("runs/regen2/train.jsonl"),
                     help="the training data (jsonl or jsonl.gz), for its example count")
+    ap.add_argument("--summary", type=Path, nargs="+", metavar="RUN",
+                    help="only print the stage table of these runs (and the machine of their env.txt)")
     args = ap.parse_args()
+    if args.summary:
+        for parent in sorted({run.parent for run in args.summary}):
+            for name in ("env.txt", "phases.log"):
+                if (parent / name).is_file():
+                    print(f"{parent / name}: " + " | ".join(line.strip() for line in (parent / name).open()))
+        for run in args.summary:
+            print(f"\n{run}:\n\n{STAGE_HEADER}\n" + "\n".join(stage_row(r) for r in stages(run)))
+        return
     if not (args.dflash or args.dspark):
         ap.error("name at least one of --dflash / --dspark")
     for name, run in (("dflash", args.dflash), ("dspark", args.dspark)):
