@@ -61,11 +61,12 @@ def build(target, config: str, block_size: int = 4, max_running: int = 3, max_mo
     if config == "ar":
         return Engine(target, method="ar", **kw)
     if config in ("dflash", "dflash-gated"):  # gated: full window, the gate learns from acceptance
-        gate = dict(draft_gate=True, cost_table=GATED_TABLE) if config == "dflash-gated" else {}
+        gate = (dict(draft_gate=True, cost_table=GATED_TABLE, gate_feedback=False) if config == "dflash-gated"
+                else {})
         return Engine(target, make_draft(target, "zlab", block_size), "dflash", **kw, **gate)
     draft = make_draft(target, "deepspec", block_size, markov_rank=4, markov_type="gated", confidence=True)
     table = {"dspark-scheduled": SCHED_TABLE, "dspark-gated": GATED_TABLE}.get(config)
-    return Engine(target, draft, "dspark", scheduled=table is not None, cost_table=table, **kw)
+    return Engine(target, draft, "dspark", scheduled=table is not None, cost_table=table, gate_feedback=False, **kw)
 
 
 def count_calls(monkeypatch, obj, name: str) -> list[int]:
@@ -306,12 +307,13 @@ def sampling_engine(target, method: str) -> Engine:
     if method == "dflash-gated":
         table = CostTable([1, 10000], [1.0, 51.0], draft_rows=[1, 10000], draft_times_s=[0.01, 500.0])
         return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24,
-                      cost_table=table, draft_gate=True)
+                      cost_table=table, draft_gate=True, gate_feedback=False)
     draft = make_draft(target, "deepspec", 3, seed=5, markov_rank=4, markov_type="gated", confidence=True)
     table = CostTable([1, 10000], [1.0, 51.0])
     if method == "dspark-gated":  # drafting pays only with few running requests
         table = CostTable([1, 10000], [1.0, 51.0], draft_rows=[1, 10000], draft_times_s=[0.01, 500.0])
-    return Engine(target, draft, "dspark", scheduled=True, cost_table=table, max_running=1024, max_model_len=24)
+    return Engine(target, draft, "dspark", scheduled=True, cost_table=table, max_running=1024, max_model_len=24,
+                  gate_feedback=False)
 
 
 @pytest.mark.parametrize("method, params", [
@@ -390,6 +392,29 @@ def test_draft_gate_needs_a_speculative_method_and_draft_times(target64):
         Engine(target64, None, "ar", draft_gate=True, cost_table=GATED_TABLE)
     assert Engine(target64, draft, "dflash", draft_gate=True, cost_table=GATED_TABLE).metrics()["draft_gate"]
     assert not Engine(target64, draft, "dflash", cost_table=GATED_TABLE).metrics()["draft_gate"]
+
+
+@pytest.mark.parametrize("config", ["dflash-gated", "dspark-scheduled"])
+def test_gate_observes_every_round_it_gated(monkeypatch, target64, requests, config):
+    """With feedback on, every round reports its rows, drafting rows, verified drafts
+    and wall time to the gate: they add up to the engine's own counts."""
+    table = GATED_TABLE
+    draft = (make_draft(target64, "zlab", 4) if config == "dflash-gated" else
+             make_draft(target64, "deepspec", 3, markov_rank=4, markov_type="gated", confidence=True))
+    engine = Engine(target64, draft, "dflash" if config == "dflash-gated" else "dspark",
+                    scheduled=config == "dspark-scheduled", cost_table=table, draft_gate=True, max_running=3,
+                    max_model_len=64)
+    seen = []
+    real = engine._gate.observe
+    monkeypatch.setattr(engine._gate, "observe", lambda *a, **kw: (seen.append(a), real(*a, **kw)))
+    for prompt, params, _ in requests:
+        engine.submit(prompt, params)
+    engine.run_until_done()
+    m = engine.metrics()
+    assert len(seen) == m["rounds"] and sum(rows for rows, *_ in seen) == m["request_rounds"]
+    assert sum(1 for _, k, *_ in seen if k) == m["drafting_rounds"]
+    assert sum(v for *_, v, _ in seen) == m["drafts_verified"]
+    assert all(seconds > 0 and 0 <= k <= rows for rows, k, _, _, seconds in seen)
 
 
 def test_kv_budget_sets_the_slot_count(target64):

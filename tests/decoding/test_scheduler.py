@@ -198,17 +198,21 @@ def test_gate_rates_known_answer():
 
 
 def test_gate_asks_the_planner_with_the_mean_survival_curve():
-    gate = DraftGate(GATE_TABLE, window=3, momentum=0.5)
-    gate.update(torch.tensor([[0.9, 0.5], [0.7, 0.3]]))   # a shorter (early-stopped) proposal: slot 3 = 0
-    assert gate.survival.tolist() == pytest.approx([0.8, 0.4, 0.0])
+    gate = DraftGate(GATE_TABLE, window=3, momentum=0.5, explore_rows=2)
+    # A shorter (early-stopped) proposal: slot 3 = 0. Two rows weigh 1 - 0.5 ** (2 / 2)
+    # against the optimistic prior (full survival).
+    gate.update(torch.tensor([[0.9, 0.5], [0.7, 0.3]]))
+    assert gate.survival.tolist() == pytest.approx([0.9, 0.7, 0.5])
+    keep = 0.5 ** 0.5                                      # one row moves the curve less
     gate.update(torch.tensor([[0.6, 0.2, 0.1]]))
-    assert gate.survival.tolist() == pytest.approx([0.7, 0.3, 0.05])
+    expected = [keep * a + (1 - keep) * b for a, b in zip([0.9, 0.7, 0.5], [0.6, 0.2, 0.1])]
+    assert gate.survival.tolist() == pytest.approx(expected)
     lens = plan(gate.survival.unsqueeze(0), GATE_TABLE, float(GATE_TABLE.draft_time(1)))
     tokens = 1 + float(gate.survival[:int(lens[0])].sum())
     spec, _ = gate.expected_rates(1)
     assert spec == pytest.approx(tokens / (0.5 + float(GATE_TABLE.time(1 + int(lens[0])))))
     gate.update(torch.zeros(0, 3))                 # an empty round changes nothing
-    assert gate.survival.tolist() == pytest.approx([0.7, 0.3, 0.05])
+    assert gate.survival.tolist() == pytest.approx(expected)
     assert gate.expected_rates(1) == (spec, _)     # memoised ...
     gate.update(torch.ones(1, 3))
     assert gate.expected_rates(1)[0] > spec        # ... until the next measurement
@@ -216,11 +220,11 @@ def test_gate_asks_the_planner_with_the_mean_survival_curve():
 
 def test_full_window_gate_prices_every_draft():
     """DFlash / unscheduled DSpark verify every draft: the rate counts the whole window."""
-    gate = DraftGate(GATE_TABLE, window=3, full_window=True)
+    gate = DraftGate(GATE_TABLE, window=3, full_window=True, momentum=0.0)  # the last round alone
     gate.update(torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))   # measured prefix acceptance
     spec, ar = gate.expected_rates(16)
     assert spec == pytest.approx((16 + 16 * 1.5) / (8.0 + 4.0))    # 16 rows x 4 tokens = T(64)
-    planned = DraftGate(GATE_TABLE, window=3)
+    planned = DraftGate(GATE_TABLE, window=3, momentum=0.0)
     planned.update(torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
     assert planned.expected_rates(16)[0] > spec                   # the planner drops the dead slot
 
@@ -228,7 +232,7 @@ def test_full_window_gate_prices_every_draft():
 def test_gate_prices_drafts_by_the_slots_rounds_really_drafted():
     table = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 8.0],
                       draft_times_1_s=[0.1, 1.6], draft_window=3)
-    gate = DraftGate(table, window=3, momentum=0.5)
+    gate = DraftGate(table, window=3, momentum=0.5, explore_rows=1)
     gate.update(torch.ones(1, 3))
     full, _ = gate.expected_rates(1)
     assert full == pytest.approx(4 / (0.5 + 1.0))
@@ -238,6 +242,52 @@ def test_gate_prices_drafts_by_the_slots_rounds_really_drafted():
     survival = gate.survival                   # [1, 0.5, 0.5]: every slot still planned (T(4) = T(1))
     assert spec == pytest.approx((1 + float(survival.sum())) / (float(table.draft_time(1, slots=2)) + 1.0))
     assert float(table.draft_time(1, slots=2)) == pytest.approx(0.3)
+
+
+def test_gate_scales_the_table_by_measured_round_times():
+    """Rounds cost more than the forward passes the table prices; the gate compares
+    the rates the engine achieves: measured / predicted per kind of round and rows."""
+    gate = DraftGate(GATE_TABLE, window=3, full_window=True, cost_momentum=0.5)
+    gate.update(torch.ones(1, 3))
+    spec, ar = gate.expected_rates(16)                 # table only: 64 / 12 vs 16 / 1.6
+    assert (spec, ar) == (pytest.approx(64 / 12.0), pytest.approx(10.0))
+    gate.observe(16, 0, 0, 0, seconds=0.8)             # AR rounds at 16 rows take half the table's time
+    assert gate.cost_ratio(False, 16) == pytest.approx(0.5)
+    gate.observe(16, 16, 3, 48, seconds=24.0)          # drafting rounds twice the table's 8 + T(64)
+    gate.observe(16, 16, 3, 48, seconds=12.0)          # ... then as predicted: EMA (0.5) -> 1.5
+    assert gate.cost_ratio(True, 16) == pytest.approx(1.5)
+    assert gate.expected_rates(16) == (pytest.approx(64 / 18.0), pytest.approx(20.0))
+    # Other row counts fall back to the ratio of all rounds of that kind.
+    gate.observe(4, 4, 3, 12, seconds=float(GATE_TABLE.draft_time(4, slots=3) + GATE_TABLE.time(16)))
+    assert gate.cost_ratio(True, 4) == pytest.approx(1.0)
+    assert gate.cost_ratio(True, 8) == pytest.approx(0.5 * 1.5 + 0.5 * 1.0)
+    assert gate.cost_ratio(False, 8) == pytest.approx(0.5)
+
+
+def test_gate_follows_measured_costs_to_ar():
+    """The table alone says drafting pays at 1 row (4 tokens in 1.5 s vs 1 in 1 s);
+    measured rounds say it does not."""
+    gate = DraftGate(GATE_TABLE, window=3, full_window=True, explore_every=1000)
+    gate.update(torch.ones(1, 3))
+    assert gate.rows_to_draft(1) == 1
+    gate.observe(1, 1, 3, 3, seconds=10.0)             # 4 tokens in 10 s
+    gate.observe(1, 0, 0, 0, seconds=1.0)              # 1 token in 1 s
+    assert gate.rows_to_draft(1) == 0
+
+
+def test_gate_survival_is_a_mean_over_request_rounds():
+    """At batch 1 a hard start does not switch drafting off: one row's round moves the
+    optimistic curve a little; a round of many rows nearly replaces it."""
+    table = CostTable([1, 16, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 0.5])
+    gate = DraftGate(table, window=3, full_window=True, explore_every=1000)
+    for _ in range(3):                                  # three rounds that accept nothing
+        gate.update(torch.zeros(1, 3))
+    assert gate.rows_to_draft(1) == 1                   # still drafting: 3 samples of 1 row
+    assert gate.survival[0] == pytest.approx(0.7 ** 0.75)
+    many = DraftGate(table, window=3, full_window=True, explore_every=1000)
+    many.update(torch.zeros(16, 3))                     # 16 rows that accept nothing
+    assert float(many.survival.max()) == pytest.approx(0.7 ** 4)
+    assert many.rows_to_draft(16) == 0
 
 
 def test_gate_measures_with_few_rows_then_follows_measurements():

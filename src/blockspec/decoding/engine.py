@@ -328,13 +328,15 @@ class Engine:
     predicts a plain AR round is faster (`scheduler.DraftGate`); None = on for
     scheduled DSpark given such a table. With dflash / unscheduled dspark the
     drafting rows verify the full window and the gate learns from their measured
-    acceptance."""
+    acceptance. gate_feedback: the gate scales the table by the measured wall time
+    of finished rounds (`DraftGate.observe`); off, it trusts the table alone (for
+    tables in other units than this machine's seconds, as in tests)."""
 
     def __init__(self, target: TargetModel, draft: DraftModel | None = None, method: str = "ar",
                  scheduled: bool = False, max_running: int = 32, kv_memory_gb: float | None = None,
                  max_model_len: int | None = None, cost_table: CostTable | None = None,
                  rule: str = "rejection", tokenizer: Detokenizer | None = None,
-                 min_survival: float = 0.02, draft_gate: bool | None = None) -> None:
+                 min_survival: float = 0.02, draft_gate: bool | None = None, gate_feedback: bool = True) -> None:
         check_method(method, draft)
         if draft is not None and method != "ar":
             draft.config.check_target(target.config)
@@ -355,6 +357,7 @@ class Engine:
         self.draft = draft if method != "ar" else None
         self.cost_table = cost_table if scheduled else None
         self._gate = None
+        self._gate_feedback = gate_feedback
         if draft_gate:
             assert draft is not None and cost_table is not None
             if not scheduled:
@@ -622,6 +625,7 @@ class Engine:
 
     def _round(self) -> None:
         """Draft for the running requests (one draft forward), plan, verify (one packed forward)."""
+        t_start = time.perf_counter()
         reqs = self._running
         r = len(reqs)
         view, draft_view = self._views(0, r)
@@ -654,6 +658,9 @@ class Engine:
                 self._pending.flush(self.draft, draft_view, 0, r)
         t3 = time.perf_counter()
         self._commit(reqs, proposal, lens, verdict, k)
+        if self._gate is not None and self._gate_feedback:  # the round's real cost, bookkeeping included
+            slots = proposal.tokens.shape[1] if proposal is not None else 0
+            self._gate.observe(r, k, slots, int(lens.sum()), time.perf_counter() - t_start)
         self._times["draft"] += t1 - t0
         self._times["plan"] += t2 - t1
         self._times["verify"] += t3 - t2

@@ -240,36 +240,61 @@ class DraftGate:
     the first `explore_rows` requests draft (a small draft forward); each exploration that does
     not win the gate back doubles that interval (up to 8x), so a load where
     drafting never pays spends little on it, while the estimate still follows
-    the text. Decisions use only past rounds, never the current round's draws,
+    the text. The curve is a running mean over request-rounds, not rounds: a
+    round moves it by 1 - momentum ** (drafting rows / explore_rows), so one
+    request's round at batch 1 is one noisy sample among many, while a round of
+    32 drafting rows nearly replaces it; it starts from full survival (an
+    optimistic prior: at batch 1 a few hard tokens at the start of a completion
+    must not switch drafting off for the easy ones after them).
+    Decisions use only past rounds, never the current round's draws,
     and undrafted rows are lossless AR steps, so the output distribution is
     unchanged; the draft context still grows for every row (its features come
     from the verify forward; the engine buffers them until the row drafts).
 
     full_window: the drafting rows verify every draft (DFlash, DSpark unscheduled)
     instead of the planned lengths; their survival curve is then the measured
-    prefix acceptance (`update` with 0/1 outcomes), which needs no confidence head."""
+    prefix acceptance (`update` with 0/1 outcomes), which needs no confidence head.
+
+    The table prices forward passes only, profiled apart from the engine. `observe`
+    feeds back each finished round's wall time (per-row bookkeeping, sampling and
+    context upkeep included); the gate then scales the table's predictions by the
+    running ratio measured / predicted, kept apart for drafting and AR rounds and
+    per row count, so it compares the rates the engine really achieves."""
 
     def __init__(self, table: CostTable, window: int, momentum: float = 0.7, explore_every: int = 8,
-                 min_survival: float = 0.0, explore_rows: int = 4, full_window: bool = False) -> None:
+                 min_survival: float = 0.0, explore_rows: int = 4, full_window: bool = False,
+                 cost_momentum: float = 0.8) -> None:
         if explore_every < 1:
             raise BlockspecError("explore_every must be >= 1")
         self.full_window = full_window
         self.table, self.window, self.momentum = table, window, momentum
         self.explore_every, self.min_survival, self.explore_rows = explore_every, min_survival, explore_rows
+        self.cost_momentum = cost_momentum
         self.survival: torch.Tensor | None = None   # [window] mean prefix survival; None: unmeasured
         self.slots = float(window)               # running mean of slots a drafting round drafted
         self.skipped = 0                         # undrafted rounds since the last drafting round
         self.interval = explore_every            # current exploration interval (backs off)
-        self._rates: dict[int, tuple[float, float]] = {}   # by rows, until the next update
+        self._plans: dict[int, tuple[float, float, float]] = {}   # by rows, until the next update
+        # Measured / predicted round time: by (drafting, rows) and by drafting alone.
+        self._ratio: dict[tuple[bool, int], float] = {}
+        self._ratio_any: dict[bool, float] = {}
 
     def expected_rates(self, rows: int) -> tuple[float, float]:
-        """(speculative, AR) expected tokens per second for `rows` running requests.
-        Memoised until the next `update`: in AR stretches the gate costs a lookup."""
-        if rows not in self._rates:
-            self._rates[rows] = self._plan_rates(rows)
-        return self._rates[rows]
+        """(speculative, AR) expected tokens per second for `rows` running requests:
+        the table's plan (memoised until the next `update`, so in AR stretches the gate
+        costs a lookup) at the round times measured so far."""
+        if rows not in self._plans:
+            self._plans[rows] = self._plan(rows)
+        tokens, t_spec, t_ar = self._plans[rows]
+        return tokens / (t_spec * self.cost_ratio(True, rows)), rows / (t_ar * self.cost_ratio(False, rows))
 
-    def _plan_rates(self, rows: int) -> tuple[float, float]:
+    def cost_ratio(self, drafting: bool, rows: int) -> float:
+        """Measured / table round time for this kind of round (1.0 before any measurement)."""
+        return self._ratio.get((drafting, rows), self._ratio_any.get(drafting, 1.0))
+
+    def _plan(self, rows: int) -> tuple[float, float, float]:
+        """(expected tokens, table time) of a round where every row drafts, and the
+        table time of an AR round."""
         curve = torch.ones(self.window, dtype=torch.float64) if self.survival is None else self.survival
         survival = curve.unsqueeze(0).expand(rows, -1)
         t_draft = float(self.table.draft_time(rows, slots=self.slots))
@@ -278,7 +303,23 @@ class DraftGate:
         admitted = torch.arange(self.window).unsqueeze(0) < lens.unsqueeze(1)
         tokens = rows + float((survival * admitted).sum())
         t_spec = t_draft + float(self.table.time(rows + int(lens.sum())))
-        return tokens / t_spec, float(rows / self.table.time(rows))
+        return tokens, t_spec, float(self.table.time(rows))
+
+    def observe(self, rows: int, drafting_rows: int, slots: int, verified_drafts: int, seconds: float) -> None:
+        """A finished round's wall time: `rows` running requests, of which the first
+        `drafting_rows` drafted `slots` slots, verifying `verified_drafts` drafts in all."""
+        predicted = float(self.table.time(rows + verified_drafts))
+        if drafting_rows:
+            predicted += float(self.table.draft_time(drafting_rows, slots=max(1, slots)))
+        ratio = seconds / max(predicted, 1e-9)
+        drafting = drafting_rows > 0
+        m = self.cost_momentum
+        # A drafting round is keyed by its drafting rows: exploration rounds (a few
+        # rows) do not stand in for rounds where everyone drafts.
+        key = (drafting, drafting_rows if drafting else rows)
+        self._ratio[key] = ratio if key not in self._ratio else m * self._ratio[key] + (1 - m) * ratio
+        self._ratio_any[drafting] = (ratio if drafting not in self._ratio_any
+                                     else m * self._ratio_any[drafting] + (1 - m) * ratio)
 
     def rows_to_draft(self, rows: int) -> int:
         """0 (AR round), a few (explore with the first requests) or `rows` (everyone drafts)."""
@@ -303,16 +344,15 @@ class DraftGate:
         drafted, which also prices the next rounds' drafts; slots never drafted count as 0)."""
         if survival.numel() == 0:
             return
-        self._rates.clear()
+        self._plans.clear()
         curve = torch.zeros(self.window, dtype=torch.float64)
         mean = survival.detach().to("cpu", torch.float64).mean(0)
         curve[:mean.shape[0]] = mean[:self.window]
         drafted = float(min(survival.shape[1], self.window))
-        if self.survival is None:
-            self.survival, self.slots = curve, drafted
-        else:
-            self.survival = self.momentum * self.survival + (1 - self.momentum) * curve
-            self.slots = self.momentum * self.slots + (1 - self.momentum) * drafted
+        keep = self.momentum ** (survival.shape[0] / self.explore_rows)
+        prior = torch.ones(self.window, dtype=torch.float64) if self.survival is None else self.survival
+        self.survival = keep * prior + (1 - keep) * curve
+        self.slots = keep * self.slots + (1 - keep) * drafted
 
 
 def _split(n: int, rows: int) -> torch.Tensor:
