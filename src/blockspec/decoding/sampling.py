@@ -17,6 +17,28 @@ import torch
 from blockspec.config import SamplingParams
 
 
+_ARGMAX_CHUNK = 128
+_ARGMAX_TWO_LEVEL_MIN = 1 << 16   # below this many logits the extra ops cost more than they save
+
+
+def argmax_last(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """torch.argmax over the last dim (first maximum on ties), in two levels on CPU:
+    the max of each 128-wide chunk (a vectorised reduction, ~5x faster there than
+    argmax over vocabulary-sized rows), then argmax over the chunk maxima and within
+    the first chunk that holds the maximum (NaN ranks highest in both, as in
+    torch.argmax). Plain torch.argmax off the CPU, for widths that are not a
+    multiple of the chunk, and for small inputs (one row of logits at batch 1)."""
+    v = x.shape[-1]
+    if (x.device.type != "cpu" or v % _ARGMAX_CHUNK or v == _ARGMAX_CHUNK or not x.dtype.is_floating_point
+            or x.numel() < _ARGMAX_TWO_LEVEL_MIN):
+        return x.argmax(-1, keepdim=keepdim)
+    chunks = x.reshape(-1, v // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    best = chunks.amax(-1).argmax(-1)                                        # [N] first chunk with the max
+    within = chunks[torch.arange(chunks.shape[0], device=x.device), best].argmax(-1)
+    out = (best * _ARGMAX_CHUNK + within).view(x.shape[:-1])
+    return out.unsqueeze(-1) if keepdim else out
+
+
 @dataclass
 class RowSampler:
     """Sampling parameters of a batch of rows, as tensors, plus one generator per row."""
@@ -88,7 +110,7 @@ def warp(logits: torch.Tensor, sampler: RowSampler) -> torch.Tensor:
         x = x.masked_fill(drop, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if bool(greedy.any()):
-        onehot = torch.zeros_like(probs).scatter_(-1, logits.float().reshape(r, -1, v).argmax(-1, keepdim=True), 1.0)
+        onehot = torch.zeros_like(probs).scatter_(-1, argmax_last(logits.float().reshape(r, -1, v), keepdim=True), 1.0)
         probs = torch.where(greedy, onehot, probs)
     return probs.reshape(logits.shape[:-1] + (v,))
 
@@ -104,10 +126,10 @@ def sample(logits: torch.Tensor, sampler: RowSampler) -> tuple[torch.Tensor, tor
     """logits [R, T, V] -> (tokens [R, T], probs [R, T, V]). Greedy rows take the argmax."""
     probs = warp(logits, sampler)
     if sampler.all_greedy:
-        return logits.argmax(-1), probs
+        return argmax_last(logits), probs
     u = sampler.uniform(tuple(logits.shape[1:-1]), logits.device)
     tokens = sample_from(probs, u)
-    tokens = torch.where(sampler.greedy.view(-1, *([1] * (tokens.dim() - 1))), logits.argmax(-1), tokens)
+    tokens = torch.where(sampler.greedy.view(-1, *([1] * (tokens.dim() - 1))), argmax_last(logits), tokens)
     return tokens, probs
 
 
@@ -136,7 +158,7 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
     proposed = slot.unsqueeze(0) < num_drafts.unsqueeze(1)  # [R, g]
 
     if sampler.all_greedy:
-        choice = target_logits.argmax(-1)  # [R, g+1]
+        choice = argmax_last(target_logits)  # [R, g+1]
         ok = (drafts == choice[:, :g]) & proposed
         accepted = ok.long().cumprod(1).sum(1)
         return Verdict(accepted, choice.gather(1, accepted.unsqueeze(1)).squeeze(1))

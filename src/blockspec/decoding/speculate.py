@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.decoding.kv_cache import KVCache
-from blockspec.decoding.sampling import RowSampler, Verdict, sample, verify
+from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel, TargetOutput
 
@@ -63,7 +63,7 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
     greedy = sampler.all_greedy
     if draft.markov_head is None:
         base = target.lm_head(slots.to(target.dtype)).float()
-        tokens, probs = (base.argmax(-1), None) if greedy else sample(base, sampler)
+        tokens, probs = (argmax_last(base), None) if greedy else sample(base, sampler)
         prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
         confidence = draft.confidence(slots, prev) if draft.confidence_head is not None else None
         return Proposal(tokens, probs, confidence)
@@ -81,7 +81,7 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
             base = target.lm_head(slots[:, k:k + chunk].to(target.dtype)).float()
         logits_k, state = head.add_to(base[:, k % chunk], prev_tok, slots[:, k], state)
         if greedy:  # no distribution needed: the greedy rule compares tokens only
-            tok = logits_k.argmax(-1, keepdim=True)
+            tok = argmax_last(logits_k, keepdim=True)
         else:
             tok, dist = sample(logits_k.unsqueeze(1), sampler)
             dists.append(dist)
