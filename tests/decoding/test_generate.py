@@ -9,7 +9,8 @@ import torch
 from blockspec.config import SamplingParams
 from blockspec.decoding import generate as generate_module
 from blockspec.decoding.generate import generate
-from blockspec.decoding.speculate import Proposal
+from blockspec.decoding.sampling import RowSampler
+from blockspec.decoding.speculate import Proposal, padding_groups, prefill
 from blockspec.errors import BlockspecError
 from conftest import make_draft, make_target
 
@@ -135,3 +136,37 @@ def test_ar_sampling_is_seeded_and_batch_independent(target64):
     other = SamplingParams(temperature=1.0, seed=1, max_new_tokens=5, ignore_eos=True)
     mixed = generate(target64, [PROMPTS[1], PROMPTS[0]], [other, sp]).completions[1].tokens
     assert alone == mixed and len(alone) == 10
+
+
+def test_padding_groups_bound_the_padding():
+    assert padding_groups([]) == []
+    assert padding_groups([5, 5, 5]) == [(0, 3)]
+    assert padding_groups([10, 100, 100, 10]) == [(0, 1), (1, 3), (3, 4)]
+    assert padding_groups([8, 10, 9, 50], max_padding=0.25) == [(0, 3), (3, 4)]
+    lengths = [3, 40, 7, 7, 8, 120, 30, 31, 29, 2]
+    groups = padding_groups(lengths)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+    assert all(b == c for (_, b), (c, _) in zip(groups, groups[1:]))     # contiguous, covering
+    for a, b in groups:
+        if b - a > 1:
+            assert max(lengths[a:b]) * (b - a) <= 1.25 * sum(lengths[a:b])
+
+
+def test_grouped_prefill_equals_prefill_one_by_one(target64):
+    """Prompts of very different lengths run in groups; each row's cache, draft context
+    and sampled first token equal running that prompt alone."""
+    draft = make_draft(target64, "zlab", 4).double()
+    prompts = [[1, 2, 3], list(range(5, 45)), [6, 7, 8, 9], list(range(3, 33)), [9] * 2]
+    assert len(padding_groups([len(p) for p in prompts])) > 1
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(len(prompts))]
+    cache, dcache = target64.new_cache(len(prompts), 64), draft.new_cache(len(prompts), 80)
+    anchors = prefill(target64, cache, prompts, RowSampler.from_params(params), draft, dcache)
+    for r, (prompt, p) in enumerate(zip(prompts, params)):
+        one, done = target64.new_cache(1, 64), draft.new_cache(1, 80)
+        alone = prefill(target64, one, [prompt], RowSampler.from_params([p]), draft, done)
+        assert int(alone[0]) == int(anchors[r])
+        n, dn = int(one.lengths[0]), int(done.lengths[0])
+        assert int(cache.lengths[r]) == n and int(dcache.lengths[r]) == dn
+        assert torch.allclose(cache.k[:, r, :, :n], one.k[:, 0, :, :n]) and torch.allclose(
+            cache.v[:, r, :, :n], one.v[:, 0, :, :n])
+        assert torch.allclose(dcache.k[:, r, :, :dn], done.k[:, 0, :, :dn])
