@@ -30,8 +30,8 @@ bash recipes/train_drafts_gpu.sh more1              # then, in the same machine'
 bash recipes/train_drafts_gpu.sh more2
 python recipes/ship_drafts.py --dflash RUNS/dflash4c --dspark RUNS/dspark4c --data RUNS/regen_train.jsonl.gz
 ```
-The first stage's data and the 2-layer drafts it continues come from `recipes/train_drafts.sh`
-(CPU); `--time-budget-s` fits each stage's step count to its wall-time budget after timing
+The first 4000 examples of the data are `recipes/train_drafts.sh`'s (CPU, same prompts and
+seed), carried to the GPU machine by `prepare`; `--time-budget-s` fits each stage's step count to its wall-time budget after timing
 its first 20 steps, so a rerun on other hardware takes a different number of steps: pass
 `--max-steps` with the counts in the table above to repeat them exactly."""
 

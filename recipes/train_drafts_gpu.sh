@@ -6,10 +6,11 @@
 #             (same prompts, seed 0), carried in, so only the rest is generated here.
 #   train     four drafts side by side on that data, each fitted to TRAIN_S seconds
 #             (`--time-budget-s`; the step count it chose is in each log): dflash2 /
-#             dspark2 continue the shipped 2-layer drafts; dflash4 / dspark4 are 4-layer
+#             dspark2 continue the drafts in $INIT2 (on 2026-11-29: the 2-layer drafts
+#             shipped at commit c0689ef, since replaced); dflash4 / dspark4 are 4-layer
 #             drafts warm-started from the target's last four layers.
-#   more1     the 4-layer drafts, two processes: 190 s more at lr 5e-4, seed 1 (-> *4b)
-#   more2     and 125 s more at lr 3e-4, seed 2 (-> *4c, the final 4-layer drafts)
+#   more1     the 4-layer drafts, two processes: MORE1_S (190) s more at lr 5e-4, seed 1 (-> *4b)
+#   more2     and MORE2_S (125) s more at lr 3e-4, seed 2 (-> *4c, the shipped 4-layer drafts)
 #   bench     HumanEval (164 prompts, greedy, 128 new tokens, batch 1) on the GPU: AR vs
 #             the DFlash and DSpark drafts with the best final held-out tau.
 # As run for the shipped drafts (2026-11-29, H200): `regen train bench` in one call (the
@@ -33,7 +34,7 @@ if [ "${1:-}" = prepare ]; then
 print("\n".join(json.dumps({"id": p.id, "prompt": p.text}) for p in humaneval()))' > "$CARRY/humaneval.jsonl"
   exit 0
 fi
-OUT=${OUT:-runs/gpu_out}
+OUT=$(mkdir -p "${OUT:-runs/gpu_out}" && cd "${OUT:-runs/gpu_out}" && pwd)
 DEVICE=${DEVICE:-cuda}
 PROMPTS=${PROMPTS:-40000}
 REGEN_S=${REGEN_S:-100}
@@ -41,13 +42,18 @@ TRAIN_S=${TRAIN_S:-270}
 BENCH_S=${BENCH_S:-120}
 BENCH_LIMIT=${BENCH_LIMIT:-164}
 THREADS=${THREADS:-0}
+BATCH=${BATCH:-32}          # per process; a CPU rehearsal wants less (four processes share the RAM)
+MORE1_S=${MORE1_S:-190}
+MORE2_S=${MORE2_S:-125}
+INIT2=${INIT2:-src/blockspec/assets}
 W=${WORK:-runs/gpu}
 bs() { $PY -c 'import sys; from blockspec.cli import main; sys.exit(main())' "$@"; }
 mkdir -p "$OUT" "$W/corpus" "$W/regen"
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$W/phases.log"; }
+# Logs and every stage's records (ship_drafts.py traces a draft's stages through them).
 pack_logs() { (cd "$W" && tar -cf "$OUT/logs.tar" --ignore-failed-read phases.log env.txt regen.log ./*.log \
-  ./*/log.jsonl 2>/dev/null); }
+  ./*/log.jsonl ./*/train_config.json 2>/dev/null); }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
   $PY -c 'import torch, platform; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "python", platform.python_version())'
@@ -73,15 +79,15 @@ pack_logs
 fi
 
 TARGET=src/blockspec/assets/target
-COMMON=(--target "$TARGET" --data "$W/regen/train.jsonl" --num-anchors 48 --batch-size 32 --max-steps 100000
+COMMON=(--target "$TARGET" --data "$W/regen/train.jsonl" --num-anchors 48 --batch-size "$BATCH" --max-steps 100000
         --eval-every 500 --eval-examples 16 --eval-new-tokens 64 --seed 0 --device "$DEVICE"
         --time-budget-s "$TRAIN_S" --threads "$THREADS")
 FOUR=(--num-layers 4 --target-layer-ids 1,3,5 --init-from-target --lr 1e-3)
 ship() { for r in "$@"; do [ -f "$W/$r/draft/config.json" ] && tar -cf "$OUT/$r.tar" -C "$W" "$r/draft" "$r/train_config.json"; done; }
 if has train; then
 stamp "train 4 drafts, ${TRAIN_S}s each"
-bs train --method dflash --init-from src/blockspec/assets/dflash --lr 5e-4 --out "$W/dflash2" "${COMMON[@]}" > "$W/dflash2.log" 2>&1 &
-bs train --method dspark --init-from src/blockspec/assets/dspark --lr 5e-4 --out "$W/dspark2" "${COMMON[@]}" > "$W/dspark2.log" 2>&1 &
+bs train --method dflash --init-from "$INIT2/dflash" --lr 5e-4 --out "$W/dflash2" "${COMMON[@]}" > "$W/dflash2.log" 2>&1 &
+bs train --method dspark --init-from "$INIT2/dspark" --lr 5e-4 --out "$W/dspark2" "${COMMON[@]}" > "$W/dspark2.log" 2>&1 &
 bs train --method dflash --block-size 16 "${FOUR[@]}" --out "$W/dflash4" "${COMMON[@]}" > "$W/dflash4.log" 2>&1 &
 bs train --method dspark --block-size 15 --markov-rank 64 --markov-head-type vanilla "${FOUR[@]}" \
   --out "$W/dspark4" "${COMMON[@]}" > "$W/dspark4.log" 2>&1 &
@@ -91,7 +97,7 @@ stamp "train done"
 pack_logs
 fi
 
-# Further stages of the 4-layer drafts: name from to seconds lr seed
+# Further stages of the 4-layer drafts: from to seconds lr seed [ship]
 more() {
   stamp "continue $1 -> $2: ${3}s at lr $4, seed $5"
   for m in dflash dspark; do
@@ -99,12 +105,12 @@ more() {
       --time-budget-s "$3" > "$W/$m$2.log" 2>&1 &
   done
   wait
-  ship "dflash$2" "dspark$2"
+  [ "${6:-}" = ship ] && ship "dflash$2" "dspark$2"   # at most 8 files come back: final drafts only
   stamp "continue done"
   pack_logs
 }
-has more1 && more 4 4b 190 5e-4 1
-has more2 && more 4b 4c 125 3e-4 2
+has more1 && more 4 4b "$MORE1_S" 5e-4 1
+has more2 && more 4b 4c "$MORE2_S" 3e-4 2 ship
 
 if has bench; then
 # The draft of each method with the best final held-out tau goes to the GPU bench.
