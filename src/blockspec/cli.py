@@ -125,16 +125,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> None:
-    import torch
-
     from blockspec import embedded
-    from blockspec.models.checkpoint import load_target
+    from blockspec.models.checkpoint import load_target, resolve_device
     from blockspec.models.tokenizer import Tokenizer
     from blockspec.training.data import load_prompts, regenerate
 
     target_dir = Path(args.target) if args.target else embedded.default_target()
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(target_dir, dtype=args.dtype, device=device)
+    target = load_target(target_dir, dtype=args.dtype, device=resolve_device(args.device))
     prompts = load_prompts(args.prompts, Tokenizer(target_dir), args.num_prompts, seed=args.seed)
     n = regenerate(target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                    temperature=args.temperature, seed=args.seed)

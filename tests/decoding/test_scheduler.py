@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from blockspec.decoding.scheduler import CostTable, DraftGate, model_signature, plan, profile_cost_table
+from blockspec.decoding.scheduler import CostTable, DraftGate, interpolate, model_signature, plan, profile_cost_table
 from blockspec.errors import BlockspecError
 from conftest import make_target
 
@@ -179,6 +179,15 @@ def test_profile_measures_packed_verify_and_checks_target(tmp_path):
         table.check_target(make_target(dtype=torch.float32))
     with pytest.raises(BlockspecError, match="measured for"):
         table.check_target(make_target(dtype=torch.float64, layers=2))
+
+
+def test_interpolate_one_point_equals_the_tensor_path():
+    """The gate prices single row counts every round through the scalar path."""
+    tables = [([1], [0.5]), ([1, 4, 64], [1.0, 1.0, 4.0]), ([2, 10, 30], [3.0, 1.0, 2.0]), ([1, 8], [0.2, 0.9])]
+    points = [0, 1, 2, 3.5, 4, 9, 10, 30, 31, 64, 100, 1000.25]
+    for xs, ys in tables:
+        many = interpolate(xs, ys, torch.tensor(points, dtype=torch.float64))
+        assert [float(interpolate(xs, ys, n)) for n in points] == pytest.approx(many.tolist(), abs=1e-12)
 
 
 # -- the draft gate ---------------------------------------------------------------------

@@ -896,7 +896,8 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
     _check_args(temperatures, max_new_tokens, limit, repeats, block_sizes, rule)
     notes: list[str] = []
     method_list = _resolve_methods(methods, drafts, notes)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from blockspec.models.checkpoint import resolve_device
+    dev = resolve_device(device)
     target, tokenizer, loaded = _load_models(Path(target_dir), drafts, method_list, dtype, dev)
     sets = _encode_sets(datasets, tokenizer, limit, target, max_new_tokens, notes)
     max_model_len = max(len(ids) for _, prompt_ids in sets.values() for ids in prompt_ids) + max_new_tokens

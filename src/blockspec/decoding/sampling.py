@@ -29,7 +29,7 @@ def argmax_last(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     torch.argmax). Plain torch.argmax off the CPU, for widths that are not a
     multiple of the chunk, and for small inputs (one row of logits at batch 1)."""
     v = x.shape[-1]
-    if (x.device.type != "cpu" or v % _ARGMAX_CHUNK or v == _ARGMAX_CHUNK or not x.dtype.is_floating_point
+    if (x.device.type != "cpu" or v % _ARGMAX_CHUNK or not x.dtype.is_floating_point
             or x.numel() < _ARGMAX_TWO_LEVEL_MIN):
         return x.argmax(-1, keepdim=keepdim)
     chunks = x.reshape(-1, v // _ARGMAX_CHUNK, _ARGMAX_CHUNK)

@@ -10,6 +10,7 @@ slot that does not improve it (the early stop is what keeps sampling lossless).
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -67,6 +68,8 @@ def check_points(xs: Any, ys: Any, x_name: str, y_name: str, where: str = "cost 
 def interpolate(xs: list[int], ys: list[float], n: torch.Tensor | int) -> torch.Tensor:
     """Piecewise-linear y(n), float64: y(xs[0]) below the first point; past the last
     point the last segment's slope continues, never falling (no free tokens)."""
+    if isinstance(n, (int, float)):  # one point (the gate, every round): plain floats, no tensor ops
+        return torch.tensor(_interpolate_one(xs, ys, float(n)), dtype=torch.float64)
     n = torch.as_tensor(n, dtype=torch.float64)
     x = torch.tensor(xs, dtype=torch.float64)
     y = torch.tensor(ys, dtype=torch.float64)
@@ -78,6 +81,16 @@ def interpolate(xs: list[int], ys: list[float], n: torch.Tensor | int) -> torch.
     inside = y0 + slope * (n.clamp(min=x[0]) - x0)
     beyond = y1 + slope.clamp(min=0) * (n - x1)
     return torch.where(n > x[-1], beyond, inside)
+
+
+def _interpolate_one(xs: list[int], ys: list[float], n: float) -> float:
+    if len(xs) == 1:
+        return float(ys[0])
+    i = min(max(bisect.bisect_left(xs, max(n, xs[0])), 1), len(xs) - 1)
+    slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+    if n > xs[-1]:
+        return ys[i] + max(slope, 0.0) * (n - xs[i])
+    return ys[i - 1] + slope * (max(n, xs[0]) - xs[i - 1])
 
 
 @dataclass
@@ -310,7 +323,7 @@ class DraftGate:
         `drafting_rows` drafted `slots` slots, verifying `verified_drafts` drafts in all."""
         predicted = float(self.table.time(rows + verified_drafts))
         if drafting_rows:
-            predicted += float(self.table.draft_time(drafting_rows, slots=max(1, slots)))
+            predicted += float(self.table.draft_time(drafting_rows, slots=slots))
         ratio = seconds / max(predicted, 1e-9)
         drafting = drafting_rows > 0
         m = self.cost_momentum

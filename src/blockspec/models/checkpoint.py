@@ -84,6 +84,13 @@ def load_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: 
     module.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
 
 
+def resolve_device(name: str | None = "auto") -> torch.device:
+    """"auto" (or None): the GPU when one is available, else the CPU; else as named."""
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def load_target(directory: str | Path, dtype: str | torch.dtype | None = "float32",
                 device: str | torch.device = "cpu") -> TargetModel:
     directory = Path(directory)

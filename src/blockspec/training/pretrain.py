@@ -22,7 +22,7 @@ from torch import nn
 
 from blockspec.config import TargetConfig
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import load_target, read_tensors, save_target, write_tensors
+from blockspec.models.checkpoint import load_target, read_tensors, resolve_device, save_target, write_tensors
 from blockspec.models.target import TargetModel
 from blockspec.training.corpus import EOS, iter_texts
 
@@ -161,8 +161,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if cfg.device == "auto" else cfg.device))
+    device = resolve_device(cfg.device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     train = tokenize_split(Path(cfg.corpus), Path(cfg.tokenizer), "train", out)

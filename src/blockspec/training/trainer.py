@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from blockspec.config import DraftConfig
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import load_draft, load_target, read_tensors, save_draft, write_tensors
+from blockspec.models.checkpoint import (load_draft, load_target, read_tensors, resolve_device, save_draft,
+                                        write_tensors)
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 from blockspec.training.anchors import pack_blocks, sample_anchors
@@ -229,10 +230,12 @@ def train(cfg: TrainConfig) -> dict:
     cfg.validate()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = resolve_device(cfg.device)
+    use_cuda = device.type == "cuda"
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
+    if use_cuda:
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if use_cuda:
