@@ -36,7 +36,7 @@ import json
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from blockspec.errors import BlockspecError
 from blockspec.training.data import read_prompt_jsonl
