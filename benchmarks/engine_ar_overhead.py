@@ -22,10 +22,10 @@ from blockspec.decoding.scheduler import profile_cost_table
 class NeverDraft:
     """A draft gate that always picks AR rounds."""
 
-    def rows_to_draft(self, rows: int) -> int:
-        return 0
+    def decide(self, rows: int) -> tuple[int, int]:
+        return 0, 0
 
-    def update(self, survival: torch.Tensor) -> None:
+    def update(self, survival: torch.Tensor, block: int | None = None) -> None:
         pass
 
 

@@ -5,8 +5,9 @@ engine process's peak resident memory.
 
     python benchmarks/engine_throughput.py [--concurrency 1,4,16,32] [--repeats 3] [--methods ar,dflash,...]
 
-Each (method, concurrency) cell runs max(4, 2*c) requests through a fresh engine with
-max_running = c; tokens/s = generated tokens / wall time. With --repeats N the four
+Each (method, concurrency) cell runs max(8, waves*c) requests (default 4 waves) through
+a fresh engine with max_running = c, so requests join as others finish, as in serving;
+tokens/s = generated tokens / wall time. With --repeats N the four
 arms run N times in turn at each concurrency and each cell is the median. The cost table for the
 scheduled method is measured first (`blockspec profile`) unless one is given.
 """
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--methods", default="ar,dflash,dspark,dspark-scheduled,dflash-gated,dspark-gated",
                     help=f"comma list of {','.join(ARMS)}")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved runs per cell (median)")
+    ap.add_argument("--waves", type=int, default=4, help="requests per cell = max(8, waves x concurrency)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     names = args.methods.split(",")
@@ -82,7 +84,7 @@ def main() -> None:
     pool = prompts_humaneval(tok)
     rows = []
     for conc in [int(c) for c in args.concurrency.split(",")]:
-        prompts = [pool[i % len(pool)] for i in range(max(4, 2 * conc))]
+        prompts = [pool[i % len(pool)] for i in range(max(8, args.waves * conc))]
         runs: dict[str, list[dict]] = {name: [] for name in names}
         for _ in range(args.repeats):  # side by side for this concurrency, interleaved
             for name in names:
@@ -94,8 +96,8 @@ def main() -> None:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"HumanEval prompts, greedy, {args.new_tokens} new tokens, float32, {torch.get_num_threads()} threads; "
           "tok/s (tau incl. bonus; DFlash z-lab block 16 = 15 drafts, DSpark gamma 15: same 16-token window); "
-          "gated = the draft gate may skip drafting when the cost table predicts AR is faster")
-    print(f"median of {args.repeats} interleaved run(s) per cell")
+          "gated = the draft gate may skip drafting or shorten the block when the cost table predicts it pays")
+    print(f"median of {args.repeats} interleaved run(s) per cell; max(8, {args.waves} x concurrency) requests per cell")
     ratios = [("sched / DFlash", "dspark-scheduled", "dflash"), ("sched / AR", "dspark-scheduled", "ar")]
     ratios = [r for r in ratios if r[1] in names and r[2] in names]
     spec_names = [n for n in names if n != "ar"]

@@ -177,8 +177,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
               "ms": {n: round(t * 1e3, 3) for n, t in zip(table.ns, table.times_s)}}
     if table.has_draft_times:
         report["draft_ms"] = {r: round(t * 1e3, 3) for r, t in zip(table.draft_rows, table.draft_times_s)}
-    if table.draft_times_1_s:
-        report["draft_1slot_ms"] = {r: round(t * 1e3, 3) for r, t in zip(table.draft_rows, table.draft_times_1_s)}
+    for slots, times in table.draft_slot_times.items():   # shorter blocks: {slots: {rows: ms}}
+        report.setdefault("draft_ms_by_slots", {})[slots] = {r: round(t * 1e3, 3)
+                                                             for r, t in zip(table.draft_rows, times)}
     print(json.dumps(report))
 
 

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from blockspec.decoding.scheduler import CostTable, DraftGate, interpolate, model_signature, plan, profile_cost_table
+from blockspec.decoding.scheduler import (ConfidenceCalibration, CostTable, DraftGate, interpolate,
+                                         model_signature, plan, profile_cost_table)
 from blockspec.errors import BlockspecError
 from conftest import make_target
 
@@ -119,78 +120,36 @@ def test_json_round_trip(tmp_path):
     assert CostTable.load(path) == table
 
 
-def test_draft_time_by_slots_drafted(tmp_path):
-    """DSpark's early stop: a round that drafted s of the window's slots costs between
-    the one-slot and the full-window time, linearly in s."""
+def test_draft_time_by_block_length(tmp_path):
+    """A round drafting a shorter block costs what the table measured for that block,
+    interpolated between measured lengths; never more than the full block."""
     table = CostTable([1, 8], [1.0, 2.0], draft_rows=[1, 4], draft_times_s=[5.0, 9.0],
-                      draft_times_1_s=[1.0, 3.0], draft_window=9)
+                      draft_slot_times={4: [2.0, 12.0], 1: [1.0, 3.0]}, draft_window=9)
+    assert table.draft_slot_counts == [1, 4, 9]
     assert float(table.draft_time(1)) == pytest.approx(5.0)               # no slots given: the full round
     assert float(table.draft_time(1, slots=1)) == pytest.approx(1.0)
-    assert float(table.draft_time(1, slots=5)) == pytest.approx(3.0)
-    assert float(table.draft_time(4, slots=9)) == pytest.approx(9.0)
+    assert float(table.draft_time(1, slots=4)) == pytest.approx(2.0)
+    assert float(table.draft_time(1, slots=6)) == pytest.approx(2.0 + 3.0 * 2 / 5)
+    assert float(table.draft_time(4, slots=4)) == pytest.approx(9.0)      # capped at the full block
     assert float(table.draft_time(4, slots=40)) == pytest.approx(9.0)     # clamped to the window
+    assert float(table.draft_time(2, slots=1)) == pytest.approx(1.0 + 2.0 / 3)
     table.save(tmp_path / "t.json")
     assert CostTable.load(tmp_path / "t.json") == table
     plain = CostTable([1, 8], [1.0, 2.0], draft_rows=[1, 4], draft_times_s=[5.0, 9.0])
-    assert float(plain.draft_time(1, slots=1)) == pytest.approx(5.0)       # old tables: the full round
+    assert float(plain.draft_time(1, slots=1)) == pytest.approx(5.0)       # no block times: the full round
+    assert plain.draft_slot_counts == []
+    raw = plain.to_dict() | {"draft_time_1slot_s": [1.0, 3.0], "draft_window": 9}   # an earlier release's file
+    assert CostTable.from_dict(raw).draft_slot_times == {1: [1.0, 3.0]}
     with pytest.raises(BlockspecError, match="draft_window"):
-        CostTable([1], [1.0], draft_rows=[1], draft_times_s=[2.0], draft_times_1_s=[1.0])
-    with pytest.raises(BlockspecError, match="draft_time_1slot_s"):
-        CostTable([1], [1.0], draft_rows=[1, 2], draft_times_s=[2.0, 3.0], draft_times_1_s=[1.0], draft_window=4)
+        CostTable([1], [1.0], draft_rows=[1], draft_times_s=[2.0], draft_slot_times={1: [1.0]})
+    with pytest.raises(BlockspecError, match="below draft_window"):
+        CostTable([1], [1.0], draft_rows=[1], draft_times_s=[2.0], draft_slot_times={4: [1.0]}, draft_window=4)
+    with pytest.raises(BlockspecError, match=r"draft_time_by_slots_s\[1\]"):
+        CostTable([1], [1.0], draft_rows=[1, 2], draft_times_s=[2.0, 3.0], draft_slot_times={1: [1.0]},
+                  draft_window=4)
+    with pytest.raises(BlockspecError, match="slot counts"):
+        CostTable.from_dict(plain.to_dict() | {"draft_time_by_slots_s": {"one": [1.0, 3.0]}, "draft_window": 9})
 
-
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.pop("time_s"), "missing required key 'time_s'"),
-    (lambda d: d.update(format="other"), "not a blockspec cost table"),
-    (lambda d: d.update(version=9), "unsupported version"),
-    (lambda d: d.update(n=[1, 1, 2]), "strictly increasing"),
-    (lambda d: d.update(time_s=[0.1, -1.0, 0.2]), "positive finite"),
-    (lambda d: d.update(time_s=[0.1]), "entries"),
-    (lambda d: d.update(n=[1, 2.5, 3]), "positive integer"),
-    (lambda d: d.update(model=3), "'model' must be a string"),
-])
-def test_bad_files_are_refused(tmp_path, edit, message):
-    raw = CostTable([1, 2, 3], [0.1, 0.2, 0.3], model="m", dtype="float32", machine="x").to_dict()
-    edit(raw)
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps(raw))
-    with pytest.raises(BlockspecError, match=message):
-        CostTable.load(path)
-
-
-def test_unreadable_files_are_refused(tmp_path):
-    with pytest.raises(BlockspecError, match="does not exist"):
-        CostTable.load(tmp_path / "missing.json")
-    (tmp_path / "x.json").write_text("{not json")
-    with pytest.raises(BlockspecError, match="not valid JSON"):
-        CostTable.load(tmp_path / "x.json")
-
-
-def test_profile_measures_packed_verify_and_checks_target(tmp_path):
-    target = make_target(dtype=torch.float64)
-    table = profile_cost_table(target, [8, 1, 4], repeats=2, rows=4, context=16, warmup=1)
-    assert table.ns == [1, 4, 8] and all(t > 0 for t in table.times_s)
-    assert table.model == model_signature(target) and table.dtype == "float64" and table.machine
-    table.check_target(target)
-    path = tmp_path / "t.json"
-    table.save(path)
-    assert CostTable.load(path).ns == [1, 4, 8]
-    with pytest.raises(BlockspecError, match="measured in float64"):
-        table.check_target(make_target(dtype=torch.float32))
-    with pytest.raises(BlockspecError, match="measured for"):
-        table.check_target(make_target(dtype=torch.float64, layers=2))
-
-
-def test_interpolate_one_point_equals_the_tensor_path():
-    """The gate prices single row counts every round through the scalar path."""
-    tables = [([1], [0.5]), ([1, 4, 64], [1.0, 1.0, 4.0]), ([2, 10, 30], [3.0, 1.0, 2.0]), ([1, 8], [0.2, 0.9])]
-    points = [0, 1, 2, 3.5, 4, 9, 10, 30, 31, 64, 100, 1000.25]
-    for xs, ys in tables:
-        many = interpolate(xs, ys, torch.tensor(points, dtype=torch.float64))
-        assert [float(interpolate(xs, ys, n)) for n in points] == pytest.approx(many.tolist(), abs=1e-12)
-
-
-# -- the draft gate ---------------------------------------------------------------------
 
 GATE_TABLE = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 8.0])
 
@@ -198,19 +157,20 @@ GATE_TABLE = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_ti
 def test_gate_rates_known_answer():
     gate = DraftGate(GATE_TABLE, window=3)
     gate.update(torch.ones(2, 3))                  # first measurement taken as is: every draft survives
-    spec, ar = gate.expected_rates(1)
+    spec, ar, block = gate.expected_rates(1)
+    assert block == 3                              # no shorter blocks in this table
     assert ar == pytest.approx(1.0)
     assert spec == pytest.approx(4 / (0.5 + 1.0))  # all 3 drafts planned; T(4) = 1.0
-    spec, ar = gate.expected_rates(16)             # 16 rows: verifying every draft still pays in the plan
+    spec, ar, _ = gate.expected_rates(16)          # 16 rows: verifying every draft still pays in the plan
     assert spec == pytest.approx(64 / (8.0 + 4.0))  # T(64) = 4.0
     assert ar == pytest.approx(16 / (1.0 + 3.0 * 12 / 60))
 
 
 def test_gate_asks_the_planner_with_the_mean_survival_curve():
     gate = DraftGate(GATE_TABLE, window=3, momentum=0.5, explore_rows=2)
-    # A shorter (early-stopped) proposal: slot 3 = 0. Two rows weigh 1 - 0.5 ** (2 / 2)
-    # against the optimistic prior (full survival).
-    gate.update(torch.tensor([[0.9, 0.5], [0.7, 0.3]]))
+    # An early-stopped proposal of a 3-slot block: slot 3 = 0. Two rows weigh
+    # 1 - 0.5 ** (2 / 2) against the optimistic prior (full survival).
+    gate.update(torch.tensor([[0.9, 0.5], [0.7, 0.3]]), 3)
     assert gate.survival.tolist() == pytest.approx([0.9, 0.7, 0.5])
     keep = 0.5 ** 0.5                                      # one row moves the curve less
     gate.update(torch.tensor([[0.6, 0.2, 0.1]]))
@@ -218,11 +178,11 @@ def test_gate_asks_the_planner_with_the_mean_survival_curve():
     assert gate.survival.tolist() == pytest.approx(expected)
     lens = plan(gate.survival.unsqueeze(0), GATE_TABLE, float(GATE_TABLE.draft_time(1)))
     tokens = 1 + float(gate.survival[:int(lens[0])].sum())
-    spec, _ = gate.expected_rates(1)
+    spec, ar, _ = gate.expected_rates(1)
     assert spec == pytest.approx(tokens / (0.5 + float(GATE_TABLE.time(1 + int(lens[0])))))
     gate.update(torch.zeros(0, 3))                 # an empty round changes nothing
     assert gate.survival.tolist() == pytest.approx(expected)
-    assert gate.expected_rates(1) == (spec, _)     # memoised ...
+    assert gate.expected_rates(1) == (spec, ar, 3)  # memoised ...
     gate.update(torch.ones(1, 3))
     assert gate.expected_rates(1)[0] > spec        # ... until the next measurement
 
@@ -231,26 +191,39 @@ def test_full_window_gate_prices_every_draft():
     """DFlash / unscheduled DSpark verify every draft: the rate counts the whole window."""
     gate = DraftGate(GATE_TABLE, window=3, full_window=True, momentum=0.0)  # the last round alone
     gate.update(torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))   # measured prefix acceptance
-    spec, ar = gate.expected_rates(16)
+    spec, ar, _ = gate.expected_rates(16)
     assert spec == pytest.approx((16 + 16 * 1.5) / (8.0 + 4.0))    # 16 rows x 4 tokens = T(64)
     planned = DraftGate(GATE_TABLE, window=3, momentum=0.0)
     planned.update(torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
     assert planned.expected_rates(16)[0] > spec                   # the planner drops the dead slot
 
 
-def test_gate_prices_drafts_by_the_slots_rounds_really_drafted():
+def test_gate_shortens_the_block_under_load():
+    """A full block pays at one row, but at 16 rows only a one-slot block beats AR:
+    its draft costs a fraction of the full block's."""
     table = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 8.0],
-                      draft_times_1_s=[0.1, 1.6], draft_window=3)
-    gate = DraftGate(table, window=3, momentum=0.5, explore_rows=1)
-    gate.update(torch.ones(1, 3))
-    full, _ = gate.expected_rates(1)
-    assert full == pytest.approx(4 / (0.5 + 1.0))
-    gate.update(torch.ones(1, 1))              # a round that stopped after one slot
-    assert gate.slots == pytest.approx(2.0)
-    spec, _ = gate.expected_rates(1)
-    survival = gate.survival                   # [1, 0.5, 0.5]: every slot still planned (T(4) = T(1))
-    assert spec == pytest.approx((1 + float(survival.sum())) / (float(table.draft_time(1, slots=2)) + 1.0))
-    assert float(table.draft_time(1, slots=2)) == pytest.approx(0.3)
+                      draft_slot_times={1: [0.1, 0.4]}, draft_window=3)
+    gate = DraftGate(table, window=3, full_window=True, explore_every=1000, momentum=0.7)
+    assert gate.block_choices == [1, 3]
+    gate.update(torch.ones(4, 3))
+    spec, ar, block = gate.expected_rates(1)
+    assert (block, spec) == (3, pytest.approx(4 / 1.5))         # full: 4 tokens in 0.5 + T(4)
+    assert gate.decide(1) == (1, 3)
+    spec, ar, block = gate.expected_rates(16)
+    t32 = 1.0 + 3.0 * 28 / 60
+    assert (block, spec, ar) == (1, pytest.approx(32 / (0.4 + t32)), pytest.approx(16 / 1.6))
+    assert gate.decide(16) == (16, 1)
+    # A one-slot round measures slot 1 only; slots 2 and 3 keep their estimate.
+    gate.update(torch.zeros(16, 1), 1)
+    assert gate.survival.tolist() == pytest.approx([0.7 ** 4, 1.0, 1.0])
+    assert gate.decide(16) == (0, 0)                              # slot 1 never survives: AR
+    # The curve the planner sees stays a prefix survival (never rising with the slot).
+    gate2 = DraftGate(table, window=3, momentum=0.0)
+    gate2.update(torch.tensor([[1.0, 0.2, 0.2]]))
+    gate2.update(torch.tensor([[0.1]]), 1)
+    assert gate2.survival.tolist() == pytest.approx([0.1, 0.2, 0.2])
+    tokens, _, block, _ = gate2._plan(1)
+    assert tokens <= 1 + 0.1 * block + 1e-6
 
 
 def test_gate_scales_the_table_by_measured_round_times():
@@ -258,14 +231,14 @@ def test_gate_scales_the_table_by_measured_round_times():
     the rates the engine achieves: measured / predicted per kind of round and rows."""
     gate = DraftGate(GATE_TABLE, window=3, full_window=True, cost_momentum=0.5)
     gate.update(torch.ones(1, 3))
-    spec, ar = gate.expected_rates(16)                 # table only: 64 / 12 vs 16 / 1.6
+    spec, ar, _ = gate.expected_rates(16)              # table only: 64 / 12 vs 16 / 1.6
     assert (spec, ar) == (pytest.approx(64 / 12.0), pytest.approx(10.0))
     gate.observe(16, 0, 0, 0, seconds=0.8)             # AR rounds at 16 rows take half the table's time
     assert gate.cost_ratio(False, 16) == pytest.approx(0.5)
     gate.observe(16, 16, 3, 48, seconds=24.0)          # drafting rounds twice the table's 8 + T(64)
     gate.observe(16, 16, 3, 48, seconds=12.0)          # ... then as predicted: EMA (0.5) -> 1.5
     assert gate.cost_ratio(True, 16) == pytest.approx(1.5)
-    assert gate.expected_rates(16) == (pytest.approx(64 / 18.0), pytest.approx(20.0))
+    assert gate.expected_rates(16) == (pytest.approx(64 / 18.0), pytest.approx(20.0), 3)
     # Other row counts fall back to the ratio of all rounds of that kind.
     gate.observe(4, 4, 3, 12, seconds=float(GATE_TABLE.draft_time(4, slots=3) + GATE_TABLE.time(16)))
     assert gate.cost_ratio(True, 4) == pytest.approx(1.0)
@@ -278,10 +251,10 @@ def test_gate_follows_measured_costs_to_ar():
     measured rounds say it does not."""
     gate = DraftGate(GATE_TABLE, window=3, full_window=True, explore_every=1000)
     gate.update(torch.ones(1, 3))
-    assert gate.rows_to_draft(1) == 1
+    assert gate.decide(1)[0] == 1
     gate.observe(1, 1, 3, 3, seconds=10.0)             # 4 tokens in 10 s
     gate.observe(1, 0, 0, 0, seconds=1.0)              # 1 token in 1 s
-    assert gate.rows_to_draft(1) == 0
+    assert gate.decide(1)[0] == 0
 
 
 def test_gate_survival_is_a_mean_over_request_rounds():
@@ -291,35 +264,35 @@ def test_gate_survival_is_a_mean_over_request_rounds():
     gate = DraftGate(table, window=3, full_window=True, explore_every=1000)
     for _ in range(3):                                  # three rounds that accept nothing
         gate.update(torch.zeros(1, 3))
-    assert gate.rows_to_draft(1) == 1                   # still drafting: 3 samples of 1 row
-    assert gate.survival[0] == pytest.approx(0.7 ** 0.75)
+    assert gate.decide(1)[0] == 1                   # still drafting: 3 samples of 1 row
+    assert gate.survival[0] == pytest.approx(0.95 ** 0.75)
     many = DraftGate(table, window=3, full_window=True, explore_every=1000)
     many.update(torch.zeros(16, 3))                     # 16 rows that accept nothing
-    assert float(many.survival.max()) == pytest.approx(0.7 ** 4)
-    assert many.rows_to_draft(16) == 0
+    assert float(many.survival.max()) == pytest.approx(0.95 ** 4)   # 80 request-rounds of memory
+    assert many.decide(16)[0] == 0
 
 
 def test_gate_measures_with_few_rows_then_follows_measurements():
-    gate = DraftGate(GATE_TABLE, window=3)
-    assert gate.rows_to_draft(16) == 4             # unmeasured: a few rows explore (explore_rows=4)
-    assert gate.rows_to_draft(2) == 2
+    gate = DraftGate(GATE_TABLE, window=3, momentum=0.7)
+    assert gate.decide(16)[0] == 4             # unmeasured: a few rows explore (explore_rows=4)
+    assert gate.decide(2)[0] == 2
     gate.update(torch.ones(1, 3))
-    assert gate.rows_to_draft(1) == 1 and gate.rows_to_draft(16) == 0   # pays alone, not at 16 rows
+    assert gate.decide(1)[0] == 1 and gate.decide(16)[0] == 0   # pays alone, not at 16 rows
     for _ in range(40):                            # drafts never accepted
         gate.update(torch.zeros(2, 3))
-    assert gate.rows_to_draft(1) == 0
+    assert gate.decide(1)[0] == 0
 
 
 def test_gate_explores_after_a_run_of_undrafted_rounds():
     gate = DraftGate(GATE_TABLE, window=3, explore_every=4, explore_rows=1)
     gate.update(torch.zeros(1, 3))                 # drafting never pays
-    decisions = [gate.rows_to_draft(16) for _ in range(4 + 8 + 16)]
+    decisions = [gate.decide(16)[0] for _ in range(4 + 8 + 16)]
     explored = [i for i, d in enumerate(decisions) if d]
     assert explored == [3, 11, 27]             # intervals 4, 8, 16: each fruitless exploration backs off
     assert {decisions[i] for i in explored} == {1}   # exploring drafts one row only
     for _ in range(40):                        # the text turns easy: every draft survives
         gate.update(torch.ones(1, 3))
-    assert all(gate.rows_to_draft(1) == 1 for _ in range(5))
+    assert all(gate.decide(1)[0] == 1 for _ in range(5))
     assert gate.interval == 4                  # a win resets the back-off
     with pytest.raises(BlockspecError, match="explore_every"):
         DraftGate(GATE_TABLE, window=3, explore_every=0)
@@ -328,7 +301,7 @@ def test_gate_explores_after_a_run_of_undrafted_rounds():
 def test_gate_without_draft_times_always_drafts():
     gate = DraftGate(CostTable([1, 2], [1.0, 1.0]), window=3)
     gate.update(torch.zeros(1, 3))
-    assert gate.rows_to_draft(64) == 64
+    assert gate.decide(64)[0] == 64
     with pytest.raises(BlockspecError, match="no draft times"):
         gate.table.draft_time(1)
 
@@ -363,7 +336,8 @@ def test_profile_with_a_draft_measures_draft_rounds():
                                draft_rows=[2, 1])
     assert table.draft_rows == [1, 2] and len(table.draft_times_s) == 2
     assert all(t > 0 for t in table.draft_times_s)
-    assert table.draft_window == 3 and all(0 < a <= b for a, b in zip(table.draft_times_1_s, table.draft_times_s))
+    assert table.draft_window == 3 and table.draft_slot_counts == [1, 2, 3]
+    assert all(0 < a <= b for times in table.draft_slot_times.values() for a, b in zip(times, table.draft_times_s))
 
 
 # -- the survival floor: skipped drafts never change the plan -------------------------
@@ -406,3 +380,54 @@ def test_early_stopped_proposal_plans_like_the_full_one():
             assert torch.equal(plan(short.confidence.cumprod(1), table, draft_s, floor),
                                plan(full.confidence.cumprod(1), table, draft_s, floor))
     assert stopped_early > 0   # the floor did cut some proposals short
+
+
+def test_confidence_calibration_learns_from_rows_at_risk():
+    """Per slot: accepted / sum of confidences over the rows that verified the slot with
+    every earlier draft accepted; rows that stopped earlier or were not verified that far
+    do not count."""
+    calib = ConfidenceCalibration(3, momentum=0.5, prior=1.0)
+    conf = torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5], [0.8, 0.4, 0.2]])
+    assert calib.apply(conf).tolist() == conf.double().tolist()          # starts as the head
+    # row 0 verified 3 and accepted all; row 1 verified 3, accepted 1; row 2 verified 1, accepted 1.
+    calib.observe(conf, torch.tensor([3, 3, 1]), torch.tensor([3, 1, 1]))
+    assert calib.accepted.tolist() == [3.0, 1.0, 1.0]
+    assert calib.expected.tolist() == pytest.approx([1.8, 1.0, 0.5])
+    assert calib.scale.tolist() == pytest.approx([4 / 2.8, 1.0, 2 / 1.5])
+    assert calib.apply(torch.tensor([[0.9, 0.3, 0.6]]))[0].tolist() == pytest.approx([1.0, 0.3, 0.8])  # capped at 1
+    calib.observe(conf[:0], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    assert calib.accepted.tolist() == [1.5, 0.5, 0.5]                    # each round decays the sums
+
+
+@pytest.mark.parametrize("layout", ["zlab", "deepspec"])
+def test_propose_a_shorter_block_equals_a_draft_run_at_that_block_size(layout):
+    """propose(num_drafts=g) drafts the block a draft set to g drafts would: the anchor and
+    the mask slots of g drafts only (a cheaper forward), not a cut of the full block."""
+    import copy
+
+    from blockspec.config import SamplingParams
+    from blockspec.decoding.sampling import RowSampler
+    from blockspec.decoding.speculate import propose
+    from conftest import make_draft
+
+    target = make_target()
+    draft = make_draft(target, layout, 6, markov_rank=4 if layout == "deepspec" else 0,
+                       confidence=layout == "deepspec")
+    short = copy.deepcopy(draft)
+    short.set_block_size(3 if layout == "zlab" else 2)          # 2 drafts either way
+    sampler = RowSampler.from_params([SamplingParams()] * 2)
+    anchors = torch.tensor([5, 9])
+    feats = torch.randn(2, 7, len(draft.config.target_layer_ids) * draft.config.hidden_size)
+    outs = []
+    for d in (draft, short):
+        cache = d.new_cache(2, 32)
+        d.append_context(cache, feats, 7)
+        with torch.inference_mode():
+            outs.append(propose(d, target, cache, anchors, sampler, num_drafts=2 if d is draft else None))
+    assert outs[0].tokens.shape == (2, 2) and torch.equal(outs[0].tokens, outs[1].tokens)
+    if layout == "deepspec":
+        assert torch.allclose(outs[0].confidence, outs[1].confidence)
+    full = propose(draft, target, draft.new_cache(2, 32), anchors, sampler)
+    assert full.tokens.shape == (2, draft.config.num_drafts)
+    with pytest.raises(ValueError, match="num_drafts"):
+        propose(draft, target, draft.new_cache(2, 32), anchors, sampler, num_drafts=draft.config.num_drafts + 1)

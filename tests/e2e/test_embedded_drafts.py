@@ -58,7 +58,9 @@ def test_cli_profile_with_the_embedded_draft(tmp_path):
                            "--out", "t.json"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert set(report["ms"]) == {"1", "4"} and set(report["draft_ms"]) == set(report["draft_1slot_ms"]) == {"1", "2"}
+    assert set(report["ms"]) == {"1", "4"} and set(report["draft_ms"]) == {"1", "2"}
+    assert set(report["draft_ms_by_slots"]) == {"1", "2", "3", "4", "6", "8", "11"}   # shorter blocks, in drafts
+    assert all(set(by_rows) == {"1", "2"} for by_rows in report["draft_ms_by_slots"].values())
     table = CostTable.load(tmp_path / "t.json")
     target = load_target(embedded.default_target())
     draft = load_draft(embedded.default_draft("dspark"), target=target)

@@ -34,7 +34,7 @@ from blockspec.config import SamplingParams
 from blockspec.decoding.generate import Completion, RowState, check_method
 from blockspec.decoding.kv_cache import KVCache
 from blockspec.decoding.sampling import RowSampler, Verdict, verify
-from blockspec.decoding.scheduler import CostTable, DraftGate, plan
+from blockspec.decoding.scheduler import ConfidenceCalibration, CostTable, DraftGate, plan
 from blockspec.decoding.speculate import Proposal, prefill, propose
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
@@ -330,13 +330,17 @@ class Engine:
     drafting rows verify the full window and the gate learns from their measured
     acceptance. gate_feedback: the gate scales the table by the measured wall time
     of finished rounds (`DraftGate.observe`); off, it trusts the table alone (for
-    tables in other units than this machine's seconds, as in tests)."""
+    tables in other units than this machine's seconds, as in tests).
+    calibrate_confidence (scheduled): rescale the confidence head online by the
+    verified outcomes (`scheduler.ConfidenceCalibration`); off, trust the head as
+    shipped (e.g. calibrated offline for this decoding mode)."""
 
     def __init__(self, target: TargetModel, draft: DraftModel | None = None, method: str = "ar",
                  scheduled: bool = False, max_running: int = 32, kv_memory_gb: float | None = None,
                  max_model_len: int | None = None, cost_table: CostTable | None = None,
                  rule: str = "rejection", tokenizer: Detokenizer | None = None,
-                 min_survival: float = 0.02, draft_gate: bool | None = None, gate_feedback: bool = True) -> None:
+                 min_survival: float = 0.02, draft_gate: bool | None = None, gate_feedback: bool = True,
+                 calibrate_confidence: bool = True) -> None:
         check_method(method, draft)
         if draft is not None and method != "ar":
             draft.config.check_target(target.config)
@@ -364,6 +368,9 @@ class Engine:
                 cost_table.check_target(target)
             self._gate = DraftGate(cost_table, draft.config.num_drafts, min_survival=self.min_survival,
                                    full_window=not scheduled)
+        # Scheduled DSpark rescales the confidences by verified outcomes (ConfidenceCalibration).
+        self._calibration = (ConfidenceCalibration(draft.config.num_drafts) if calibrate_confidence and scheduled
+                             and cost_table is not None and draft is not None else None)
         self.max_model_len = self._model_len(max_model_len)
         margin = self.draft.config.block_size + 2 if self.draft is not None else 2
         self.slot_capacity = self.max_model_len + margin
@@ -394,6 +401,7 @@ class Engine:
         self._stats: Counter = Counter()
         self._accepted_hist: Counter = Counter()
         self._verified_hist: Counter = Counter()
+        self._block_hist: Counter = Counter()   # drafting rounds by block length (drafts)
         # Keys fixed up front: metrics() may copy it while the engine thread adds to it.
         self._times = {"prefill": 0.0, "draft": 0.0, "plan": 0.0, "verify": 0.0}
 
@@ -568,6 +576,7 @@ class Engine:
                 "tau": (s["drafts_accepted"] + rounds) / rounds if rounds else 0.0,
                 "accepted_histogram": dict(sorted(self._accepted_hist.items())),
                 "verified_histogram": dict(sorted(self._verified_hist.items())),
+                "draft_block_histogram": dict(sorted(self._block_hist.items())),
                 "time_s": dict(self._times),
             }
 
@@ -633,8 +642,11 @@ class Engine:
         anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.long, device=device)
         sampler = batch_sampler([q.params for q in reqs], [q.generator for q in reqs], device)
         t0 = time.perf_counter()
-        # The first k requests draft: all of them, or fewer when the draft gate says so.
-        k = 0 if self.draft is None else (r if self._gate is None else self._gate.rows_to_draft(r))
+        # The first k requests draft a block of `block` drafts: all of them and the full
+        # window, or fewer rows / a shorter block when the draft gate says so.
+        k, block = 0, 0
+        if self.draft is not None:
+            k, block = (r, self.draft.config.num_drafts) if self._gate is None else self._gate.decide(r)
         proposal = None
         if k:
             sub_view = draft_view if k == r else draft_view.slice_rows(0, k)
@@ -642,31 +654,37 @@ class Engine:
             sub_sampler = sampler if k == r else sampler.select(list(range(k)))
             min_survival = self.min_survival if self.cost_table is not None else 0.0
             proposal = propose(self.draft, self.target, sub_view, anchors[:k], sub_sampler,
-                               min_survival=min_survival)
+                               num_drafts=block, min_survival=min_survival)
+        raw_confidence = None
+        if proposal is not None and self._calibration is not None and proposal.confidence is not None:
+            raw_confidence = proposal.confidence
+            proposal.confidence = self._calibration.apply(raw_confidence)
         t1 = time.perf_counter()
-        lens = self._plan(proposal, r)
+        lens = self._plan(proposal, r, block)
         if proposal is not None and k < r:
             proposal = pad_rows(proposal, r, None if sampler.all_greedy else self.target.config.vocab_size)
         t2 = time.perf_counter()
         verdict, features = verify_packed(self.target, view, anchors, proposal, sampler, lens, self._capture,
                                           self.rule)
-        if self._gate is not None and proposal is not None:  # used from the next round on
-            self._gate.update(self._survival(proposal, verdict.accepted[:k]))
+        if raw_confidence is not None:  # used from the next round on
+            self._calibration.observe(raw_confidence, lens[:k], verdict.accepted[:k])
+        if self._gate is not None and proposal is not None:
+            self._gate.update(self._outcome(proposal, lens[:k], verdict.accepted[:k]), block)
         if features is not None:
             self._pending.add(features, verdict.accepted + 1)
             if self._pending.room(r) <= self.draft.config.num_drafts:  # the next round could overflow it
                 self._pending.flush(self.draft, draft_view, 0, r)
         t3 = time.perf_counter()
-        self._commit(reqs, proposal, lens, verdict, k)
+        self._commit(reqs, proposal, lens, verdict, k, block)
         if self._gate is not None and self._gate_feedback:  # the round's real cost, bookkeeping included
-            slots = proposal.tokens.shape[1] if proposal is not None else 0
-            self._gate.observe(r, k, slots, int(lens.sum()), time.perf_counter() - t_start)
+            self._gate.observe(r, k, block, int(lens.sum()), time.perf_counter() - t_start)
         self._times["draft"] += t1 - t0
         self._times["plan"] += t2 - t1
         self._times["verify"] += t3 - t2
 
-    def _plan(self, proposal: Proposal | None, r: int) -> torch.Tensor:
-        """Drafts each of the r running requests verifies (zero for those that did not draft)."""
+    def _plan(self, proposal: Proposal | None, r: int, block: int) -> torch.Tensor:
+        """Drafts each of the r running requests verifies (zero for those that did not draft);
+        `block`: the drafted block's length (its draft time is spent)."""
         device = self.target.device
         lens = torch.zeros(r, dtype=torch.long, device=device)
         if proposal is None:
@@ -676,22 +694,29 @@ class Engine:
         if table is None or proposal.confidence is None:
             lens[:k] = g
             return lens
-        draft_s = float(table.draft_time(k, slots=g)) if table.has_draft_times else 0.0
-        lens[:k] = plan(self._survival(proposal), table, draft_s, self.min_survival, base_rows=r).to(device)
+        draft_s = float(table.draft_time(k, slots=block)) if table.has_draft_times else 0.0
+        lens[:k] = plan(torch.cumprod(proposal.confidence, dim=1), table, draft_s, self.min_survival, base_rows=r).to(device)
         return lens
 
-    def _survival(self, proposal: Proposal, accepted: torch.Tensor | None = None) -> torch.Tensor:
-        """Prefix survival of the drafting rows [k, g]: from the confidences when the
-        planner trims the window, else (every draft verified) the measured outcome."""
-        if self.cost_table is not None and proposal.confidence is not None:
-            return torch.cumprod(proposal.confidence, dim=1)
-        assert accepted is not None
+    def _outcome(self, proposal: Proposal, verified: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+        """What the drafting rows [k, g] showed of their prefix survival, for the gate:
+        1 / 0 for each verified slot (accepted or not), and past a row's verified
+        length, when all of it was accepted, the confidences' survival from there on
+        (never verified, so never measured). Measured outcomes, not the confidences,
+        decide the block: a head trained for sampled acceptance under-rates greedy."""
         g = proposal.tokens.shape[1]
-        return (torch.arange(g, device=accepted.device).unsqueeze(0) < accepted.unsqueeze(1)).double()
+        slot = torch.arange(g, device=accepted.device).unsqueeze(0)
+        verified, accepted = verified.unsqueeze(1), accepted.unsqueeze(1)
+        measured = (slot < accepted).double()
+        if proposal.confidence is None:
+            return measured
+        beyond = torch.cumprod(torch.where(slot < verified, 1.0, proposal.confidence.double()), dim=1)
+        return torch.where(slot < verified, measured, beyond * (accepted == verified))
 
     def _commit(self, reqs: list[Request], proposal: Proposal | None, lens: torch.Tensor,
-                verdict: Verdict, drafting: int) -> None:
-        """Emit each request's accepted drafts + bonus; `drafting`: how many (first) requests drafted."""
+                verdict: Verdict, drafting: int, block: int) -> None:
+        """Emit each request's accepted drafts + bonus; `drafting`: how many (first) requests
+        drafted, and a block of how many drafts."""
         accepted, bonus, verified = verdict.accepted.tolist(), verdict.bonus.tolist(), lens.tolist()
         drafted = proposal.tokens.tolist() if proposal is not None else [[] for _ in reqs]
         for i, req in enumerate(reqs):
@@ -704,6 +729,8 @@ class Engine:
             self._stats["request_rounds"] += len(reqs)
             # Request-rounds of a speculative engine without a draft: the draft gate chose AR.
             self._stats["drafting_rounds"] += int(drafting > 0)
+            if drafting:
+                self._block_hist[block] += 1
             self._stats["undrafted_request_rounds"] += (len(reqs) - drafting) if self.draft is not None else 0
             self._stats["verified_tokens"] += sum(verified) + len(reqs)
             self._stats["drafts_verified"] += sum(verified)

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 TABLE_FORMAT = "blockspec-cost-table"
 TABLE_VERSION = 1
+# Block lengths (in drafts) whose draft time `profile_cost_table` measures besides the full block.
+DRAFT_SLOT_COUNTS = (1, 2, 3, 4, 6, 8, 11)
 
 
 def model_signature(target: TargetModel) -> str:
@@ -102,11 +104,11 @@ class CostTable:
     when a plain AR round is expected to be faster (see `DraftGate`). Between
     measured points times are interpolated linearly (see `interpolate`).
 
-    DSpark drafts slot by slot and stops early when every row's survival falls
-    below the floor, so a round's draft time depends on how many slots it drafted:
-    with `draft_times_1_s` (the same rounds drafting one slot) and `draft_window`
-    (slots drafted in `draft_times_s`), `draft_time(rows, slots)` interpolates
-    between the two."""
+    A round may draft a shorter block than the draft was trained with (the gate
+    picks the block length under load: `DraftGate`), and its cost falls with the
+    block: `draft_slot_times[s]` holds, per draft row count, the time of rounds
+    that draft s < `draft_window` slots (`draft_window`: the slots drafted in
+    `draft_times_s`); `draft_time(rows, slots)` interpolates between them."""
 
     ns: list[int]
     times_s: list[float]
@@ -116,19 +118,24 @@ class CostTable:
     meta: dict[str, Any] = field(default_factory=dict)
     draft_rows: list[int] = field(default_factory=list)
     draft_times_s: list[float] = field(default_factory=list)
-    draft_times_1_s: list[float] = field(default_factory=list)
+    draft_slot_times: dict[int, list[float]] = field(default_factory=dict)
     draft_window: int = 0
 
     def __post_init__(self) -> None:
         check_points(self.ns, self.times_s, "n", "time_s")
         if self.draft_rows or self.draft_times_s:
             check_points(self.draft_rows, self.draft_times_s, "draft_rows", "draft_time_s")
-        if self.draft_times_1_s:
-            check_points(self.draft_rows, self.draft_times_1_s, "draft_rows", "draft_time_1slot_s")
-            if not isinstance(self.draft_window, int) or isinstance(self.draft_window, bool) or self.draft_window < 1:
-                raise BlockspecError(f"cost table: draft_window must be a positive integer with "
-                                     f"draft_time_1slot_s, got {self.draft_window!r}")
-        self.draft_times_1_s = [float(t) for t in self.draft_times_1_s]
+        if self.draft_slot_times:
+            if not isinstance(self.draft_window, int) or isinstance(self.draft_window, bool) or self.draft_window < 2:
+                raise BlockspecError(f"cost table: draft_window must be an integer >= 2 with draft times by "
+                                     f"slots, got {self.draft_window!r}")
+            for slots, times in self.draft_slot_times.items():
+                if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots < self.draft_window:
+                    raise BlockspecError(f"cost table: draft times by slots need slot counts in "
+                                         f"1..{self.draft_window - 1} (below draft_window), got {slots!r}")
+                check_points(self.draft_rows, times, "draft_rows", f"draft_time_by_slots_s[{slots}]")
+            self.draft_slot_times = {s: [float(t) for t in self.draft_slot_times[s]]
+                                     for s in sorted(self.draft_slot_times)}
         for name in ("model", "dtype", "machine"):
             if not isinstance(getattr(self, name), str):
                 raise BlockspecError(f"cost table: '{name}' must be a string")
@@ -143,17 +150,27 @@ class CostTable:
     def has_draft_times(self) -> bool:
         return bool(self.draft_rows)
 
-    def draft_time(self, rows: torch.Tensor | int, slots: float | None = None) -> torch.Tensor:
+    @property
+    def draft_slot_counts(self) -> list[int]:
+        """Slot counts (block lengths in drafts) with measured draft times; the full
+        window last. Empty without draft times."""
+        if not self.draft_rows:
+            return []
+        return [*self.draft_slot_times, self.draft_window] if self.draft_slot_times else []
+
+    def draft_time(self, rows: int, slots: float | None = None) -> torch.Tensor:
         """Interpolated draft round time for `rows` requests (needs draft times); with
-        `slots` and one-slot times, for a round that drafted that many slots."""
+        `slots` and times by slots, for a round that drafts a block of that many slots."""
         if not self.draft_rows:
             raise BlockspecError("this cost table has no draft times (profile it with a draft)")
-        full = interpolate(self.draft_rows, self.draft_times_s, rows)
-        if slots is None or not self.draft_times_1_s or self.draft_window <= 1:
-            return full
-        one = interpolate(self.draft_rows, self.draft_times_1_s, rows)
-        frac = (min(max(float(slots), 1.0), float(self.draft_window)) - 1) / (self.draft_window - 1)
-        return one + (full - one).clamp(min=0) * frac
+        full = _interpolate_one(self.draft_rows, self.draft_times_s, float(rows))
+        if slots is None or not self.draft_slot_times:
+            return torch.tensor(full, dtype=torch.float64)
+        counts = self.draft_slot_counts
+        times = [_interpolate_one(self.draft_rows, self.draft_slot_times[s], float(rows)) for s in counts[:-1]]
+        times = [min(t, full) for t in times] + [full]   # never dearer than the full block
+        at = min(max(float(slots), float(counts[0])), float(counts[-1]))
+        return torch.tensor(_interpolate_one(counts, times, at), dtype=torch.float64)
 
     def sps(self, n: torch.Tensor | int) -> torch.Tensor:
         """Verify steps per second, 1 / T(n)."""
@@ -174,8 +191,9 @@ class CostTable:
                "machine": self.machine, "n": self.ns, "time_s": self.times_s, "meta": self.meta}
         if self.draft_rows:
             out.update(draft_rows=self.draft_rows, draft_time_s=self.draft_times_s)
-        if self.draft_times_1_s:
-            out.update(draft_time_1slot_s=self.draft_times_1_s, draft_window=self.draft_window)
+        if self.draft_slot_times:
+            out.update(draft_time_by_slots_s={str(k): v for k, v in self.draft_slot_times.items()},
+                       draft_window=self.draft_window)
         return out
 
     @classmethod
@@ -191,10 +209,16 @@ class CostTable:
         meta = raw.get("meta", {})
         if not isinstance(meta, dict):
             raise BlockspecError(f"{where}: 'meta' must be an object")
+        by_slots = raw.get("draft_time_by_slots_s", {})
+        if not isinstance(by_slots, dict) or not all(isinstance(k, str) and k.isdigit() for k in by_slots):
+            raise BlockspecError(f"{where}: 'draft_time_by_slots_s' must map slot counts to lists of seconds")
+        slot_times = {int(k): v for k, v in by_slots.items()}
+        if "draft_time_1slot_s" in raw and not slot_times:   # version-1 files of an earlier release
+            slot_times = {1: raw["draft_time_1slot_s"]}
         try:
             return cls(raw["n"], raw["time_s"], raw["model"], raw["dtype"], raw["machine"], meta,
                        raw.get("draft_rows", []), raw.get("draft_time_s", []),
-                       raw.get("draft_time_1slot_s", []), raw.get("draft_window", 0))
+                       slot_times, raw.get("draft_window", 0))
         except BlockspecError as exc:
             raise BlockspecError(f"{where}: {exc}") from None
 
@@ -240,33 +264,41 @@ def plan(survival: torch.Tensor, table: CostTable | None, draft_time_s: float = 
 
 
 class DraftGate:
-    """How many running requests draft this round: all, none, or one to explore.
+    """Which running requests draft this round (all, none, or a few to explore), and
+    how long a block they draft.
 
     Under load a draft forward plus a wider verify can cost more than it returns
     even when the planner trims the window; when a plain AR round (every request
     verifies its anchor only) is expected to produce more tokens per second, the
-    round skips the draft. The decision asks `plan` itself: with every running
-    request drafting and showing the running mean survival curve (from the
-    calibrated confidences of past drafting rows), what would the planned round
-    deliver per second, counting the draft time? Measuring is cheap: until the
-    first measurement, and after `explore_every` undrafted rounds in a row, only
-    the first `explore_rows` requests draft (a small draft forward); each exploration that does
-    not win the gate back doubles that interval (up to 8x), so a load where
-    drafting never pays spends little on it, while the estimate still follows
-    the text. The curve is a running mean over request-rounds, not rounds: a
-    round moves it by 1 - momentum ** (drafting rows / explore_rows), so one
-    request's round at batch 1 is one noisy sample among many, while a round of
-    32 drafting rows nearly replaces it; it starts from full survival (an
-    optimistic prior: at batch 1 a few hard tokens at the start of a completion
-    must not switch drafting off for the easy ones after them).
+    round skips the draft. A draft's cost grows with its block (every block slot
+    runs through every draft layer), and the first slots are the likeliest to be
+    accepted, so under load a shorter block can pay where the full one does not:
+    the gate prices each block length the table has draft times for
+    (`CostTable.draft_slot_counts`) and drafts the best. Each decision asks `plan`
+    itself: with every running request drafting a block of s slots and showing
+    the running mean survival curve of past drafting rows (their measured
+    acceptance, and the confidences past what they verified), what would the planned round deliver per second, counting the
+    draft time? Measuring is cheap: until the first measurement, and after
+    `explore_every` undrafted rounds in a row, only the first `explore_rows`
+    requests draft, a full block (a small draft forward that measures every
+    slot); each exploration that does not win the gate back doubles that interval
+    (up to 8x), so a load where drafting never pays spends little on it, while
+    the estimate still follows the text. The curve is a running mean over
+    request-rounds, not rounds: a round moves each slot it drafted by
+    1 - momentum ** (drafting rows / explore_rows), so one request's round at
+    batch 1 is one noisy sample among many, and even a round of 32 drafting rows
+    moves it by a third (about 80 request-rounds of memory: a shorter one lets a
+    few unlucky rounds flip the decision); slots a shorter block did not draft
+    keep their last estimate. It starts from full survival (an optimistic prior: at batch 1 a few
+    hard tokens at the start of a completion must not switch drafting off for the
+    easy ones after them).
     Decisions use only past rounds, never the current round's draws,
     and undrafted rows are lossless AR steps, so the output distribution is
     unchanged; the draft context still grows for every row (its features come
     from the verify forward; the engine buffers them until the row drafts).
 
-    full_window: the drafting rows verify every draft (DFlash, DSpark unscheduled)
-    instead of the planned lengths; their survival curve is then the measured
-    prefix acceptance (`update` with 0/1 outcomes), which needs no confidence head.
+    full_window: the drafting rows verify every draft of their block (DFlash,
+    DSpark unscheduled) instead of the planned lengths (no confidence head needed).
 
     The table prices forward passes only, profiled apart from the engine. `observe`
     feeds back each finished round's wall time (per-row bookkeeping, sampling and
@@ -274,53 +306,63 @@ class DraftGate:
     running ratio measured / predicted, kept apart for drafting and AR rounds and
     per row count, so it compares the rates the engine really achieves."""
 
-    def __init__(self, table: CostTable, window: int, momentum: float = 0.7, explore_every: int = 8,
+    def __init__(self, table: CostTable, window: int, momentum: float = 0.95, explore_every: int = 8,
                  min_survival: float = 0.0, explore_rows: int = 4, full_window: bool = False,
-                 cost_momentum: float = 0.8) -> None:
+                 cost_momentum: float = 0.9) -> None:
         if explore_every < 1:
             raise BlockspecError("explore_every must be >= 1")
+        if window < 1:
+            raise BlockspecError("the draft window must be >= 1")
         self.full_window = full_window
         self.table, self.window, self.momentum = table, window, momentum
         self.explore_every, self.min_survival, self.explore_rows = explore_every, min_survival, explore_rows
         self.cost_momentum = cost_momentum
+        # Block lengths to price: the table's measured ones below the window, and the window.
+        self.block_choices = [s for s in table.draft_slot_counts if s < window] + [window]
         self.survival: torch.Tensor | None = None   # [window] mean prefix survival; None: unmeasured
-        self.slots = float(window)               # running mean of slots a drafting round drafted
         self.skipped = 0                         # undrafted rounds since the last drafting round
         self.interval = explore_every            # current exploration interval (backs off)
-        self._plans: dict[int, tuple[float, float, float]] = {}   # by rows, until the next update
+        self._plans: dict[int, tuple[float, float, int, float]] = {}   # by rows, until the next update
         # Measured / predicted round time: by (drafting, rows) and by drafting alone.
         self._ratio: dict[tuple[bool, int], float] = {}
         self._ratio_any: dict[bool, float] = {}
 
-    def expected_rates(self, rows: int) -> tuple[float, float]:
-        """(speculative, AR) expected tokens per second for `rows` running requests:
-        the table's plan (memoised until the next `update`, so in AR stretches the gate
-        costs a lookup) at the round times measured so far."""
+    def expected_rates(self, rows: int) -> tuple[float, float, int]:
+        """(speculative, AR) expected tokens per second for `rows` running requests, and
+        the block length (in drafts) of the speculative rate: the table's best plan
+        (memoised until the next `update`, so in AR stretches the gate costs a lookup)
+        at the round times measured so far."""
         if rows not in self._plans:
             self._plans[rows] = self._plan(rows)
-        tokens, t_spec, t_ar = self._plans[rows]
-        return tokens / (t_spec * self.cost_ratio(True, rows)), rows / (t_ar * self.cost_ratio(False, rows))
+        tokens, t_spec, block, t_ar = self._plans[rows]
+        return tokens / (t_spec * self.cost_ratio(True, rows)), rows / (t_ar * self.cost_ratio(False, rows)), block
 
     def cost_ratio(self, drafting: bool, rows: int) -> float:
         """Measured / table round time for this kind of round (1.0 before any measurement)."""
         return self._ratio.get((drafting, rows), self._ratio_any.get(drafting, 1.0))
 
-    def _plan(self, rows: int) -> tuple[float, float, float]:
-        """(expected tokens, table time) of a round where every row drafts, and the
-        table time of an AR round."""
+    def _plan(self, rows: int) -> tuple[float, float, int, float]:
+        """(expected tokens, table time, block length) of the best round where every row
+        drafts, and the table time of an AR round."""
         curve = torch.ones(self.window, dtype=torch.float64) if self.survival is None else self.survival
-        survival = curve.unsqueeze(0).expand(rows, -1)
-        t_draft = float(self.table.draft_time(rows, slots=self.slots))
-        lens = (torch.full((rows,), self.window, dtype=torch.long) if self.full_window
-                else plan(survival, self.table, t_draft, self.min_survival))
-        admitted = torch.arange(self.window).unsqueeze(0) < lens.unsqueeze(1)
-        tokens = rows + float((survival * admitted).sum())
-        t_spec = t_draft + float(self.table.time(rows + int(lens.sum())))
-        return tokens, t_spec, float(self.table.time(rows))
+        curve = torch.cummin(curve, 0).values   # slots measured in different rounds: keep it a prefix survival
+        best: tuple[float, float, int] | None = None
+        for block in self.block_choices:
+            survival = curve[:block].unsqueeze(0).expand(rows, -1)
+            t_draft = float(self.table.draft_time(rows, slots=block))
+            lens = (torch.full((rows,), block, dtype=torch.long) if self.full_window
+                    else plan(survival, self.table, t_draft, self.min_survival))
+            admitted = torch.arange(block).unsqueeze(0) < lens.unsqueeze(1)
+            tokens = rows + float((survival * admitted).sum())
+            t_spec = t_draft + float(self.table.time(rows + int(lens.sum())))
+            if best is None or tokens / t_spec > best[0] / best[1]:
+                best = (tokens, t_spec, block)
+        assert best is not None
+        return (*best, float(self.table.time(rows)))
 
     def observe(self, rows: int, drafting_rows: int, slots: int, verified_drafts: int, seconds: float) -> None:
         """A finished round's wall time: `rows` running requests, of which the first
-        `drafting_rows` drafted `slots` slots, verifying `verified_drafts` drafts in all."""
+        `drafting_rows` drafted a block of `slots` slots, verifying `verified_drafts` drafts in all."""
         predicted = float(self.table.time(rows + verified_drafts))
         if drafting_rows:
             predicted += float(self.table.draft_time(drafting_rows, slots=slots))
@@ -334,38 +376,80 @@ class DraftGate:
         self._ratio_any[drafting] = (ratio if drafting not in self._ratio_any
                                      else m * self._ratio_any[drafting] + (1 - m) * ratio)
 
-    def rows_to_draft(self, rows: int) -> int:
-        """0 (AR round), a few (explore with the first requests) or `rows` (everyone drafts)."""
+    def decide(self, rows: int) -> tuple[int, int]:
+        """(requests that draft, block length in drafts): (0, 0) is an AR round, a few
+        rows with the full window explore, `rows` with the best block is everyone drafting."""
         if not self.table.has_draft_times or rows == 0:
-            return rows
-        explore = min(rows, self.explore_rows)
+            return rows, self.window
+        explore = (min(rows, self.explore_rows), self.window)
         if self.survival is None:
             return explore
-        spec, ar = self.expected_rates(rows)
+        spec, ar, block = self.expected_rates(rows)
         if spec > ar:
             self.skipped, self.interval = 0, self.explore_every
-            return rows
+            return rows, block
         if self.skipped + 1 >= self.interval:   # explore
             self.skipped = 0
             self.interval = min(2 * self.interval, 8 * self.explore_every)
             return explore
         self.skipped += 1
-        return 0
+        return 0, 0
 
-    def update(self, survival: torch.Tensor) -> None:
-        """Record a drafting round's prefix survival [k, g'] (g' <= window: the slots it
-        drafted, which also prices the next rounds' drafts; slots never drafted count as 0)."""
+    def update(self, survival: torch.Tensor, block: int | None = None) -> None:
+        """Record a drafting round's prefix survival [k, g'] over a block of `block`
+        >= g' slots (default g'; DSpark may stop sampling before the block's end: its
+        slots g'.. count as 0); slots past the block keep their estimate."""
         if survival.numel() == 0:
             return
         self._plans.clear()
-        curve = torch.zeros(self.window, dtype=torch.float64)
-        mean = survival.detach().to("cpu", torch.float64).mean(0)
-        curve[:mean.shape[0]] = mean[:self.window]
-        drafted = float(min(survival.shape[1], self.window))
+        block = min(survival.shape[1] if block is None else block, self.window)
+        curve = torch.zeros(block, dtype=torch.float64)
+        mean = survival.detach().to("cpu", torch.float64).mean(0)[:block]
+        curve[:mean.shape[0]] = mean
         keep = self.momentum ** (survival.shape[0] / self.explore_rows)
-        prior = torch.ones(self.window, dtype=torch.float64) if self.survival is None else self.survival
-        self.survival = keep * prior + (1 - keep) * curve
-        self.slots = keep * self.slots + (1 - keep) * drafted
+        self.survival = (torch.ones(self.window, dtype=torch.float64) if self.survival is None
+                         else self.survival.clone())
+        self.survival[:block] = keep * self.survival[:block] + (1 - keep) * curve
+
+
+class ConfidenceCalibration:
+    """Online per-slot rescaling of the confidence head from verified outcomes.
+
+    A head trained on sampled acceptance (design section 5) under-rates greedy
+    verification, where a draft is accepted whenever it is the target's argmax;
+    a mis-rated head trims windows the text would have accepted. Per slot j the
+    scale is (accepted drafts) / (sum of their confidences) over past rows that
+    verified slot j with every earlier draft accepted (the rows at risk at j:
+    both sums run over the same rows, so the planner's choice of which rows
+    verify far does not bias it), as running sums that decay by `momentum` per
+    round, starting from 1 (the head as trained). c'_j = min(1, scale_j * c_j).
+    Only past rounds set the scale and c_j still depends on x_{j-1} alone, so
+    scheduling stays lossless."""
+
+    def __init__(self, window: int, momentum: float = 0.9, prior: float = 1.0) -> None:
+        self.momentum, self.prior = momentum, prior
+        self.accepted = torch.zeros(window, dtype=torch.float64)
+        self.expected = torch.zeros(window, dtype=torch.float64)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return (self.accepted + self.prior) / (self.expected + self.prior)
+
+    def apply(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Rescaled confidences [R, g] (float64)."""
+        g = confidence.shape[1]
+        return (confidence.double() * self.scale[:g].to(confidence.device)).clamp(max=1.0)
+
+    def observe(self, confidence: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Raw confidences [k, g] of a round's drafting rows, the drafts each verified and accepted [k]."""
+        g = confidence.shape[1]
+        slot = torch.arange(g, device=confidence.device).unsqueeze(0)
+        at_risk = ((slot < verified.unsqueeze(1)) & (slot <= accepted.unsqueeze(1))).double()
+        hit = (slot < accepted.unsqueeze(1)).double() * at_risk
+        self.accepted *= self.momentum
+        self.expected *= self.momentum
+        self.accepted[:g] += hit.sum(0).cpu()
+        self.expected[:g] += (confidence.double() * at_risk).sum(0).cpu()
 
 
 def _split(n: int, rows: int) -> torch.Tensor:
@@ -384,13 +468,15 @@ def _sync(device: torch.device) -> None:
 def profile_cost_table(target: TargetModel, ns: list[int], repeats: int = 5, *, rows: int = 8,
                        context: int = 128, capture: tuple[int, ...] = (), warmup: int = 2,
                        seed: int = 0, draft: "DraftModel | None" = None,
-                       draft_rows: list[int] | None = None) -> CostTable:
+                       draft_rows: list[int] | None = None, draft_slots: list[int] | None = None) -> CostTable:
     """Measure the packed verify forward (`TargetModel.forward_packed`) for each n.
 
     n tokens are spread over min(n, rows) rows, each already holding `context`
     cached positions. Each time is the fastest of `repeats` runs (on a shared machine
     noise only ever adds time) and times never fall as n grows (a running maximum),
-    so one noisy point cannot make the planner see free tokens."""
+    so one noisy point cannot make the planner see free tokens. With a draft, also
+    the draft round for each of `draft_rows`, over the full block and over shorter
+    blocks of `draft_slots` drafts (default `DRAFT_SLOT_COUNTS` below the window)."""
     if not ns or repeats < 1 or rows < 1 or context < 0:
         raise BlockspecError("profile_cost_table needs ns, repeats >= 1, rows >= 1, context >= 0")
     ns = sorted(set(int(n) for n in ns))
@@ -416,28 +502,28 @@ def profile_cost_table(target: TargetModel, ns: list[int], repeats: int = 5, *, 
         times.append(max(min(samples), times[-1] if times else 0.0))
     d_rows: list[int] = []
     d_times: list[float] = []
-    d_times_1: list[float] = []
+    by_slots: dict[int, list[float]] = {}
     window = 0
     if draft is not None:
         d_rows = sorted(set(int(r) for r in (draft_rows or [1, 2, 4, 8, 16, 32])))
         d_times = profile_draft(target, draft, d_rows, repeats=repeats, context=context, warmup=warmup, seed=seed)
         window = draft.config.num_drafts
-        if window > 1:
-            d_times_1 = profile_draft(target, draft, d_rows, repeats=repeats, context=context, warmup=warmup,
-                                      seed=seed, slots=1)
-            d_times_1 = [min(a, b) for a, b in zip(d_times_1, d_times)]   # never dearer than the full round
+        for s in sorted(set(int(s) for s in (draft_slots or DRAFT_SLOT_COUNTS) if 1 <= int(s) < window)):
+            measured = profile_draft(target, draft, d_rows, repeats=repeats, context=context, warmup=warmup,
+                                     seed=seed, slots=s)
+            by_slots[s] = [min(a, b) for a, b in zip(measured, d_times)]   # never dearer than the full block
     return CostTable(ns, times, model=model_signature(target), dtype=dtype_name(target.dtype),
                      machine=machine_signature(device),
                      meta={"rows": rows, "context": context, "repeats": repeats, "capture": list(capture)},
-                     draft_rows=d_rows, draft_times_s=d_times, draft_times_1_s=d_times_1,
-                     draft_window=window if d_times_1 else 0)
+                     draft_rows=d_rows, draft_times_s=d_times, draft_slot_times=by_slots,
+                     draft_window=window if by_slots else 0)
 
 
 @torch.inference_mode()
 def profile_draft(target: TargetModel, draft: "DraftModel", rows_list: list[int], repeats: int = 5, *,
                   context: int = 128, warmup: int = 2, seed: int = 0, slots: int | None = None) -> list[float]:
-    """Time of one draft round (`speculate.propose`, greedy, `slots` drafts; default the
-    full window) for each number of rows: the fastest of `repeats`, never falling as rows grow."""
+    """Time of one draft round (`speculate.propose`, greedy, a block of `slots` drafts;
+    default the full block) for each number of rows: the fastest of `repeats`, never falling as rows grow."""
     from blockspec.config import SamplingParams
     from blockspec.decoding.sampling import RowSampler
     from blockspec.decoding.speculate import propose

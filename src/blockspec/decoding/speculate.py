@@ -77,13 +77,18 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
             sampler: RowSampler, num_drafts: int | None = None, min_survival: float = 0.0) -> Proposal:
     """One draft forward for the whole block, then sampling of g drafts.
 
+    num_drafts: draft a shorter block than trained (g < the draft's window; the
+    block holds the anchor and g - 1 or g mask slots by layout), which costs less
+    per row: the draft gate shortens the block under load (`scheduler.DraftGate`).
     min_survival (DSpark with a confidence head): stop drafting at the first slot
     where every row's prefix survival is below it. `scheduler.plan` never admits
     such slots when given the same floor, so they need no logits at all; the
     proposal is then shorter than g."""
     cfg = draft.config
     g = cfg.num_drafts if num_drafts is None else num_drafts
-    block = torch.full((anchors.shape[0], cfg.block_size), cfg.mask_token_id, dtype=torch.long,
+    if not 1 <= g <= cfg.num_drafts:
+        raise ValueError(f"num_drafts must be in 1..{cfg.num_drafts}, got {g}")
+    block = torch.full((anchors.shape[0], cfg.first_draft_slot + g), cfg.mask_token_id, dtype=torch.long,
                        device=anchors.device)
     block[:, 0] = anchors
     hidden = draft.block_hidden(block, draft_cache, target.embed_tokens)

@@ -187,8 +187,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduled", action="store_true", help="DSpark confidence-scheduled verification")
     p.add_argument("--cost-table", default=None, help="verify cost table JSON (with --scheduled / --draft-gate)")
     p.add_argument("--draft-gate", action="store_true",
-                   help="skip drafting in rounds where the cost table predicts plain AR is faster (any "
-                        "speculative method; on by default with --scheduled and a table with draft times)")
+                   help="pick each round's block length, or a plain AR round, by the cost table's predicted "
+                        "throughput (any speculative method; on by default with --scheduled and a table with "
+                        "draft times)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
