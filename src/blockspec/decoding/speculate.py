@@ -19,6 +19,9 @@ from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel, TargetOutput
 
 
+EARLY_STOP_ROWS = 8
+
+
 @dataclass
 class Proposal:
     tokens: torch.Tensor                # [R, g] drafted tokens
@@ -80,8 +83,8 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
     num_drafts: draft a shorter block than trained (g < the draft's window; the
     block holds the anchor and g - 1 or g mask slots by layout), which costs less
     per row: the draft gate shortens the block under load (`scheduler.DraftGate`).
-    min_survival (DSpark with a confidence head): stop drafting at the first slot
-    where every row's prefix survival is below it. `scheduler.plan` never admits
+    min_survival (DSpark with a confidence head, fewer than EARLY_STOP_ROWS rows):
+    stop drafting at the first slot where every row's prefix survival is below it. `scheduler.plan` never admits
     such slots when given the same floor, so they need no logits at all; the
     proposal is then shorter than g."""
     cfg = draft.config
@@ -101,7 +104,10 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
         confidence = draft.confidence(slots, prev) if draft.confidence_head is not None else None
         return Proposal(tokens, probs, confidence)
     # Semi-autoregressive: slot k's logits depend on the token drafted at k-1.
-    early_stop = min_survival > 0 and draft.confidence_head is not None
+    # Early stop pays only for a few rows: with EARLY_STOP_ROWS or more, all of them
+    # rarely fall below the floor together, and slot-by-slot lm_head calls and
+    # checks cost more than one lm_head call for the block (plan applies the floor anyway).
+    early_stop = min_survival > 0 and draft.confidence_head is not None and anchors.shape[0] < EARLY_STOP_ROWS
     # lm_head in chunks of ~64 rows x slots: one GEMM when all slots are needed anyway,
     # several when drafting may stop early (their logits are then never computed).
     chunk = max(1, 64 // anchors.shape[0]) if early_stop else g
