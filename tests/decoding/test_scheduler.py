@@ -431,3 +431,19 @@ def test_propose_a_shorter_block_equals_a_draft_run_at_that_block_size(layout):
     assert full.tokens.shape == (2, draft.config.num_drafts)
     with pytest.raises(ValueError, match="num_drafts"):
         propose(draft, target, draft.new_cache(2, 32), anchors, sampler, num_drafts=draft.config.num_drafts + 1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gate_plans_identical_rows_as_the_planner_does(seed):
+    """The gate's plain-float plan for rows sharing one curve admits what `plan` admits."""
+    gen = torch.Generator().manual_seed(seed)
+    table = CostTable([1, 3, 8, 40, 200], [1.0, 1.05, 1.3, 2.5, 9.0])
+    gate = DraftGate(table, window=6, min_survival=0.05 * (seed % 2))
+    survival = torch.rand(6, generator=gen, dtype=torch.float64).sort(descending=True).values
+    for rows in (1, 3, 7, 16):
+        draft_s = float(torch.rand(1, generator=gen)) * 3
+        lens = plan(survival.unsqueeze(0).expand(rows, -1), table, draft_s, gate.min_survival)
+        admitted = torch.arange(6).unsqueeze(0) < lens.unsqueeze(1)
+        tokens, n = gate._uniform_plan(survival.tolist(), rows, draft_s, table.times_upto(rows * 7))
+        assert n == int(lens.sum())
+        assert tokens == pytest.approx(rows + float((survival * admitted).sum()))

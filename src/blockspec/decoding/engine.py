@@ -694,7 +694,7 @@ class Engine:
         if table is None or proposal.confidence is None:
             lens[:k] = g
             return lens
-        draft_s = float(table.draft_time(k, slots=block)) if table.has_draft_times else 0.0
+        draft_s = table.draft_time(k, slots=block) if table.has_draft_times else 0.0
         lens[:k] = plan(torch.cumprod(proposal.confidence, dim=1), table, draft_s, self.min_survival, base_rows=r).to(device)
         return lens
 

@@ -120,6 +120,9 @@ class CostTable:
     draft_times_s: list[float] = field(default_factory=list)
     draft_slot_times: dict[int, list[float]] = field(default_factory=dict)
     draft_window: int = 0
+    # T at 0, 1, 2, ... tokens, filled on demand: planning looks up integer counts every round.
+    _dense: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _dense_list: list[float] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_points(self.ns, self.times_s, "n", "time_s")
@@ -144,7 +147,20 @@ class CostTable:
 
     def time(self, n: torch.Tensor | int) -> torch.Tensor:
         """Interpolated verify time T(n) in seconds, float64, same shape as n."""
+        if isinstance(n, torch.Tensor) and not n.is_floating_point() and n.numel() and n.device.type == "cpu":
+            return self._dense_upto(int(n.max()))[n.clamp(min=0)]
         return interpolate(self.ns, self.times_s, n)
+
+    def _dense_upto(self, top: int) -> torch.Tensor:
+        if self._dense is None or top >= len(self._dense):
+            self._dense = interpolate(self.ns, self.times_s, torch.arange(2 * top + 64))
+            self._dense_list = self._dense.tolist()
+        return self._dense
+
+    def times_upto(self, top: int) -> list[float]:
+        """[T(0), T(1), ..., T(top), ...] as plain floats (the gate's planning loop)."""
+        self._dense_upto(top)
+        return self._dense_list
 
     @property
     def has_draft_times(self) -> bool:
@@ -158,19 +174,23 @@ class CostTable:
             return []
         return [*self.draft_slot_times, self.draft_window] if self.draft_slot_times else []
 
-    def draft_time(self, rows: int, slots: float | None = None) -> torch.Tensor:
-        """Interpolated draft round time for `rows` requests (needs draft times); with
-        `slots` and times by slots, for a round that drafts a block of that many slots."""
+    def time_at(self, n: int) -> float:
+        """T(n) in seconds for one token count, in plain floats (the gate prices every round)."""
+        return _interpolate_one(self.ns, self.times_s, float(n))
+
+    def draft_time(self, rows: int, slots: float | None = None) -> float:
+        """Interpolated draft round time in seconds for `rows` requests (needs draft times);
+        with `slots` and times by slots, for a round that drafts a block of that many slots."""
         if not self.draft_rows:
             raise BlockspecError("this cost table has no draft times (profile it with a draft)")
         full = _interpolate_one(self.draft_rows, self.draft_times_s, float(rows))
         if slots is None or not self.draft_slot_times:
-            return torch.tensor(full, dtype=torch.float64)
+            return full
         counts = self.draft_slot_counts
         times = [_interpolate_one(self.draft_rows, self.draft_slot_times[s], float(rows)) for s in counts[:-1]]
         times = [min(t, full) for t in times] + [full]   # never dearer than the full block
         at = min(max(float(slots), float(counts[0])), float(counts[-1]))
-        return torch.tensor(_interpolate_one(counts, times, at), dtype=torch.float64)
+        return _interpolate_one(counts, times, at)
 
     def sps(self, n: torch.Tensor | int) -> torch.Tensor:
         """Verify steps per second, 1 / T(n)."""
@@ -252,7 +272,7 @@ def plan(survival: torch.Tensor, table: CostTable | None, draft_time_s: float = 
     flat = survival.detach().to("cpu", torch.float64).t().reshape(-1)  # index j*R + r
     order = torch.sort(flat, descending=True, stable=True).indices       # stable: ties by (j, r)
     base = r if base_rows is None else base_rows
-    steps = torch.arange(r * g + 1, dtype=torch.float64)
+    steps = torch.arange(r * g + 1)
     tau = base + torch.cat([torch.zeros(1, dtype=torch.float64), flat[order].cumsum(0)])
     value = tau / (draft_time_s + table.time(base + steps))
     # Admit until the first non-improving slot: the early stop is a correctness rule
@@ -345,27 +365,46 @@ class DraftGate:
         """(expected tokens, table time, block length) of the best round where every row
         drafts, and the table time of an AR round."""
         curve = torch.ones(self.window, dtype=torch.float64) if self.survival is None else self.survival
-        curve = torch.cummin(curve, 0).values   # slots measured in different rounds: keep it a prefix survival
+        # Slots measured in different rounds: keep it a prefix survival (never rising).
+        survival = torch.cummin(curve, 0).values.tolist()
+        times = self.table.times_upto(rows * (self.window + 1))
         best: tuple[float, float, int] | None = None
         for block in self.block_choices:
-            survival = curve[:block].unsqueeze(0).expand(rows, -1)
-            t_draft = float(self.table.draft_time(rows, slots=block))
-            lens = (torch.full((rows,), block, dtype=torch.long) if self.full_window
-                    else plan(survival, self.table, t_draft, self.min_survival))
-            admitted = torch.arange(block).unsqueeze(0) < lens.unsqueeze(1)
-            tokens = rows + float((survival * admitted).sum())
-            t_spec = t_draft + float(self.table.time(rows + int(lens.sum())))
+            t_draft = self.table.draft_time(rows, slots=block)
+            if self.full_window:
+                tokens, n = rows * (1.0 + sum(survival[:block])), rows * block
+            else:
+                tokens, n = self._uniform_plan(survival[:block], rows, t_draft, times)
+            t_spec = t_draft + times[rows + n]
             if best is None or tokens / t_spec > best[0] / best[1]:
                 best = (tokens, t_spec, block)
         assert best is not None
-        return (*best, float(self.table.time(rows)))
+        return (*best, times[rows])
+
+    def _uniform_plan(self, survival: list[float], rows: int, t_draft: float, times: list[float]
+                      ) -> tuple[float, int]:
+        """`plan` for `rows` requests that all show the same non-increasing survival:
+        slots are admitted slot by slot, row by row, while the expected rate improves.
+        Returns (expected tokens, admitted drafts), in plain floats (the gate runs it for
+        every block length each time the curve moves)."""
+        tau, n = float(rows), 0
+        value = tau / (t_draft + times[rows])
+        for s in survival:
+            if s < self.min_survival:
+                break
+            for _ in range(rows):
+                nxt = (tau + s) / (t_draft + times[rows + n + 1])
+                if not nxt > value:
+                    return tau, n
+                tau, n, value = tau + s, n + 1, nxt
+        return tau, n
 
     def observe(self, rows: int, drafting_rows: int, slots: int, verified_drafts: int, seconds: float) -> None:
         """A finished round's wall time: `rows` running requests, of which the first
         `drafting_rows` drafted a block of `slots` slots, verifying `verified_drafts` drafts in all."""
-        predicted = float(self.table.time(rows + verified_drafts))
+        predicted = self.table.time_at(rows + verified_drafts)
         if drafting_rows:
-            predicted += float(self.table.draft_time(drafting_rows, slots=slots))
+            predicted += self.table.draft_time(drafting_rows, slots=slots)
         ratio = seconds / max(predicted, 1e-9)
         drafting = drafting_rows > 0
         m = self.cost_momentum

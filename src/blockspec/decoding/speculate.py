@@ -114,6 +114,7 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
     head = draft.markov_head
     state = head.initial_state(anchors.shape[0], slots)
     survival = torch.ones(anchors.shape[0], device=anchors.device)
+    terms = draft.confidence_terms(slots) if early_stop else None
     prev_tok, toks, dists, prevs, confs = anchors, [], [], [], []
     for k in range(g):
         if k % chunk == 0:
@@ -126,7 +127,7 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
             dists.append(dist)
         prevs.append(prev_tok)
         if early_stop:
-            conf = draft.confidence(slots[:, k:k + 1], prev_tok.unsqueeze(1), first_slot=k)
+            conf = draft.confidence_from(terms[0][:, k:k + 1], terms[1], prev_tok.unsqueeze(1), first_slot=k)
             confs.append(conf)
             survival = survival * conf[:, 0]
         prev_tok = tok[:, 0]

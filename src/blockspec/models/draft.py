@@ -11,6 +11,7 @@ context append simply overwrites them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from blockspec.config import DraftConfig
@@ -155,12 +156,26 @@ class DraftModel(nn.Module):
     def confidence(self, h: torch.Tensor, prev: torch.Tensor, first_slot: int = 0) -> torch.Tensor:
         """Per-slot acceptance probability c_k [B, S] of draft slots first_slot.. (calibrated
         when temperatures are set)."""
+        return self.confidence_from(*self.confidence_terms(h), prev, first_slot)
+
+    def confidence_terms(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The confidence logit split by input (its projection is linear): the hidden-state
+        part of every slot [B, S] (bias included) and, when the head also reads the Markov
+        embedding of the previous token, that part for every token of the vocabulary [V].
+        Drafting slot by slot then adds one lookup per slot, not a projection."""
         assert self.confidence_head is not None
-        prev_embed = None
-        if self.confidence_head.proj.in_features > self.config.hidden_size:
+        proj, hidden = self.confidence_head.proj, self.config.hidden_size
+        h_term = F.linear(h, proj.weight[:, :hidden], proj.bias).squeeze(-1).float()
+        prev_term = None
+        if proj.in_features > hidden:
             assert self.markov_head is not None
-            prev_embed = self.markov_head.markov_w1(prev)
-        raw = self.confidence_head.logit(h, prev_embed).float()
+            prev_term = F.linear(self.markov_head.markov_w1.weight, proj.weight[:, hidden:]).squeeze(-1).float()
+        return h_term, prev_term
+
+    def confidence_from(self, h_term: torch.Tensor, prev_term: torch.Tensor | None, prev: torch.Tensor,
+                        first_slot: int = 0) -> torch.Tensor:
+        """c_k [B, S] from `confidence_terms` (h_term [B, S]) and the previous tokens prev [B, S]."""
+        raw = h_term if prev_term is None else h_term + prev_term[prev]
         temps = self.config.confidence_temperatures
         if temps is not None:
             raw = raw / torch.tensor(temps[first_slot:first_slot + raw.shape[-1]], device=raw.device)
