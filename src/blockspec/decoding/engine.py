@@ -695,7 +695,8 @@ class Engine:
             lens[:k] = g
             return lens
         draft_s = table.draft_time(k, slots=block) if table.has_draft_times else 0.0
-        lens[:k] = plan(torch.cumprod(proposal.confidence, dim=1), table, draft_s, self.min_survival, base_rows=r).to(device)
+        survival = torch.cumprod(proposal.confidence, dim=1)
+        lens[:k] = plan(survival, table, draft_s, self.min_survival, base_rows=r).to(device)
         return lens
 
     def _outcome(self, proposal: Proposal, verified: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:

@@ -122,7 +122,6 @@ class CostTable:
     draft_window: int = 0
     # T at 0, 1, 2, ... tokens, filled on demand: planning looks up integer counts every round.
     _dense: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    _dense_list: list[float] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_points(self.ns, self.times_s, "n", "time_s")
@@ -154,13 +153,11 @@ class CostTable:
     def _dense_upto(self, top: int) -> torch.Tensor:
         if self._dense is None or top >= len(self._dense):
             self._dense = interpolate(self.ns, self.times_s, torch.arange(2 * top + 64))
-            self._dense_list = self._dense.tolist()
         return self._dense
 
     def times_upto(self, top: int) -> list[float]:
-        """[T(0), T(1), ..., T(top), ...] as plain floats (the gate's planning loop)."""
-        self._dense_upto(top)
-        return self._dense_list
+        """[T(0), T(1), ..., T(top)] as plain floats (the gate's planning loop)."""
+        return self._dense_upto(top)[:top + 1].tolist()
 
     @property
     def has_draft_times(self) -> bool:
@@ -297,8 +294,9 @@ class DraftGate:
     (`CostTable.draft_slot_counts`) and drafts the best. Each decision asks `plan`
     itself: with every running request drafting a block of s slots and showing
     the running mean survival curve of past drafting rows (their measured
-    acceptance, and the confidences past what they verified), what would the planned round deliver per second, counting the
-    draft time? Measuring is cheap: until the first measurement, and after
+    acceptance, and the confidences past what they verified), what would the
+    planned round deliver per second, counting the draft time? Measuring is
+    cheap: until the first measurement, and after
     `explore_every` undrafted rounds in a row, only the first `explore_rows`
     requests draft, a full block (a small draft forward that measures every
     slot); each exploration that does not win the gate back doubles that interval
@@ -309,9 +307,9 @@ class DraftGate:
     batch 1 is one noisy sample among many, and even a round of 32 drafting rows
     moves it by a third (about 80 request-rounds of memory: a shorter one lets a
     few unlucky rounds flip the decision); slots a shorter block did not draft
-    keep their last estimate. It starts from full survival (an optimistic prior: at batch 1 a few
-    hard tokens at the start of a completion must not switch drafting off for the
-    easy ones after them).
+    keep their last estimate. It starts from full survival (an optimistic prior:
+    at batch 1 a few hard tokens at the start of a completion must not switch
+    drafting off for the easy ones after them).
     Decisions use only past rounds, never the current round's draws,
     and undrafted rows are lossless AR steps, so the output distribution is
     unchanged; the draft context still grows for every row (its features come

@@ -84,9 +84,9 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
     block holds the anchor and g - 1 or g mask slots by layout), which costs less
     per row: the draft gate shortens the block under load (`scheduler.DraftGate`).
     min_survival (DSpark with a confidence head, fewer than EARLY_STOP_ROWS rows):
-    stop drafting at the first slot where every row's prefix survival is below it. `scheduler.plan` never admits
-    such slots when given the same floor, so they need no logits at all; the
-    proposal is then shorter than g."""
+    stop drafting at the first slot where every row's prefix survival is below
+    it. `scheduler.plan` never admits such slots when given the same floor, so
+    they need no logits at all; the proposal is then shorter than g."""
     cfg = draft.config
     g = cfg.num_drafts if num_drafts is None else num_drafts
     if not 1 <= g <= cfg.num_drafts:
