@@ -60,7 +60,7 @@ from blockspec.bench.metrics import (AcceptanceStats, calibration, markdown_tabl
                                      survival)
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import RequestStats, RowState, Timing, check_lengths, generate
-from blockspec.decoding.kv_cache import KVCache
+from blockspec.models.kv_cache import KVCache
 from blockspec.decoding.sampling import RowSampler, Verdict, sample, verify
 from blockspec.decoding.speculate import Proposal, prefill, propose, verify_and_commit
 from blockspec.errors import BlockspecError

@@ -32,7 +32,7 @@ import torch
 
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import Completion, RowState, check_method
-from blockspec.decoding.kv_cache import KVCache
+from blockspec.models.kv_cache import KVCache
 from blockspec.decoding.sampling import RowSampler, Verdict, verify
 from blockspec.decoding.scheduler import ConfidenceCalibration, CostTable, DraftGate, plan
 from blockspec.decoding.speculate import Proposal, prefill, propose

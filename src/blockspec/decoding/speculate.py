@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.decoding.kv_cache import KVCache
+from blockspec.models.kv_cache import KVCache
 from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel, TargetOutput

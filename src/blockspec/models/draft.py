@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.config import DraftConfig
-from blockspec.decoding.kv_cache import KVCache
+from blockspec.models.kv_cache import KVCache
 from blockspec.errors import BlockspecError
 from blockspec.models.heads import ConfidenceHead, MarkovHead
 from blockspec.models.layers import Attention, FusedLinears, Linear, RMSNorm, RotaryEmbedding, SwiGLU, attend

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from blockspec.config import TargetConfig
-from blockspec.decoding.kv_cache import KVCache
+from blockspec.models.kv_cache import KVCache
 from blockspec.models.layers import Attention, Linear, RMSNorm, RotaryEmbedding, SwiGLU, attend
 
 
