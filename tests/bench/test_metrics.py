@@ -1,4 +1,5 @@
-"""Tests for blockspec.bench.metrics and blockspec.bench.plots (hand-computed answers)."""
+"""Tests for blockspec.decoding.acceptance, blockspec.bench.metrics and blockspec.bench.plots
+(hand-computed answers)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,8 @@ import math
 
 import pytest
 
-from blockspec.bench.metrics import (
-    AcceptanceStats,
-    calibration,
-    markdown_table,
-    prefix_outcomes,
-    speedup_summary,
-    survival,
-)
+from blockspec.bench.metrics import markdown_table, speedup_summary
+from blockspec.decoding.acceptance import AcceptanceStats, calibration, prefix_outcomes, survival
 
 # Rounds as (accepted, num_drafts); some rows verified fewer drafts than the maximum.
 MIXED = [(0, 3), (1, 3), (3, 3), (2, 2), (1, 1), (0, 2)]
@@ -238,3 +233,11 @@ def test_plots_write_png(tmp_path):
     ]
     for p in outs:
         assert p.exists() and _is_png(p), p
+
+
+def test_tau_formula():
+    from blockspec.decoding.acceptance import tau
+
+    assert tau(5, 2) == 3.5 and tau(0, 4) == 1.0
+    assert math.isnan(tau(0, 0)) and tau(0, 0, empty=0.0) == 0.0
+    assert _stats(MIXED).tau == tau(sum(a for a, _ in MIXED), len(MIXED))

@@ -21,7 +21,7 @@ Measurement protocol
 - DSpark calibration: a separate, untimed batch-1 pass
   (:func:`speculative_loop`, built from the `speculate` functions) records each
   round's confidences; the survival ``s_k = prod c_j`` is scored against the
-  actual prefix outcomes with :func:`~blockspec.bench.metrics.calibration`.
+  actual prefix outcomes with :func:`~blockspec.decoding.acceptance.calibration`.
 - ``simulate_accept=TAU`` replaces each round's verification *outcome* by a
   deterministic accepted-length pattern whose mean is ``TAU - 1`` (the real
   draft and verify forwards still run), so per-round overhead can be measured
@@ -56,9 +56,9 @@ import torch
 
 from blockspec.bench import plots
 from blockspec.bench.datasets import BenchPrompt, load_dataset
-from blockspec.bench.metrics import (AcceptanceStats, calibration, markdown_table, prefix_outcomes, speedup_summary,
-                                     survival)
+from blockspec.bench.metrics import markdown_table, speedup_summary
 from blockspec.config import SamplingParams
+from blockspec.decoding.acceptance import AcceptanceStats, calibration, prefix_outcomes, survival
 from blockspec.decoding.generate import RequestStats, RowState, Timing, check_lengths, generate
 from blockspec.models.kv_cache import KVCache
 from blockspec.decoding.sampling import RowSampler, Verdict, sample, verify

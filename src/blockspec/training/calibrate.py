@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from blockspec.config import SamplingParams
+from blockspec.decoding.acceptance import calibration, prefix_outcomes
 from blockspec.decoding.sampling import RowSampler
 from blockspec.decoding.speculate import prefill, propose, verify_and_commit
 from blockspec.errors import BlockspecError
@@ -37,8 +38,6 @@ class Rollouts:
 
     def prefix_calibration(self, temperatures: list[float] | None = None) -> dict:
         """ECE / Brier / AUROC of survival s_k = prod c_j against actual prefix acceptance."""
-        from blockspec.bench.metrics import calibration, prefix_outcomes
-
         preds, outcomes = [], []
         for z, a in zip(self.round_logits, self.accepted):
             t = torch.tensor(temperatures or [1.0] * len(z), dtype=torch.float64)
