@@ -6,98 +6,49 @@ Every BlockspecError is printed as one line and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
+from blockspec import embedded
+from blockspec.bench.cli import add_bench_parser
+from blockspec.config import SamplingParams
+from blockspec.decoding.generate import generate
+from blockspec.decoding.scheduler import profile_cost_table
 from blockspec.errors import BlockspecError
-
-
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field (--field-name), typed by its default."""
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif default is None:
-            parser.add_argument(flag, default=None)
-        else:
-            parser.add_argument(flag, type=type(default), default=default)
-
-
-def dataclass_from_args(cls: type, args: argparse.Namespace, config_file: str | None = None) -> Any:
-    """Defaults < JSON config file < flags given on the command line."""
-    values: dict[str, Any] = {}
-    if config_file:
-        from blockspec.config import read_json
-        data = read_json(Path(config_file), "config file")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise BlockspecError(f"config file {config_file}: unknown keys {sorted(unknown)}")
-        values.update(data)
-    for f in dataclasses.fields(cls):
-        value = getattr(args, f.name)
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if value != default or f.name not in values:
-            values[f.name] = value
-    return cls(**values)
+from blockspec.loading import load_models
+from blockspec.models.checkpoint import load_draft, load_target, resolve_device, save_draft
+from blockspec.models.tokenizer import StreamDecoder
+from blockspec.options import (add_dataclass_flags, add_device_flag, add_dtype_flag, add_model_flags, add_rule_flag,
+                               add_target_flag, dataclass_from_args)
+from blockspec.serving.server import add_serve_parser
+from blockspec.training.calibrate import collect_rollouts, fit_sts, save_temperatures
+from blockspec.training.corpus import build_corpus, train_tokenizer
+from blockspec.training.data import load_prompts, regenerate
+from blockspec.training.pretrain import PretrainConfig, pretrain
+from blockspec.training.trainer import TrainConfig, train
 
 
 def cmd_pretrain(args: argparse.Namespace) -> None:
-    from blockspec.training.pretrain import PretrainConfig, pretrain
     print(json.dumps(pretrain(dataclass_from_args(PretrainConfig, args, args.config))))
 
 
 def cmd_corpus(args: argparse.Namespace) -> None:
-    from blockspec.training.corpus import build_corpus, train_tokenizer
     manifest = build_corpus(Path(args.out), val_percent=args.val_percent)
     print(json.dumps({k: v for k, v in manifest.items() if k != "file_list"}))
     if args.tokenizer_out:
         train_tokenizer(Path(args.out), Path(args.tokenizer_out), args.vocab_size)
 
 
-def load_models(args: argparse.Namespace):
-    """Target, tokenizer and (for speculative methods) draft, embedded defaults unless given."""
-    from blockspec import embedded
-    from blockspec.models.checkpoint import load_draft, load_target
-    from blockspec.models.tokenizer import Tokenizer
-
-    target_dir = Path(args.target) if args.target else embedded.default_target()
-    target = load_target(target_dir, dtype=args.dtype)
-    tokenizer = Tokenizer(target_dir)
-    draft = None
-    if args.method != "ar":
-        draft_dir = Path(args.draft) if args.draft else embedded.default_draft(args.method)
-        draft = load_draft(draft_dir, dtype=args.dtype, target=target)
-        if args.block_size:
-            draft.set_block_size(args.block_size)
-    return target, tokenizer, draft
-
-
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="HF-format target directory (default: the embedded model)")
-    p.add_argument("--draft", default=None, help="draft directory (default: the embedded draft for --method)")
-    p.add_argument("--method", choices=["ar", "dflash", "dspark"], default="ar")
-    p.add_argument("--block-size", type=int, default=None, help="run with a shorter block than trained")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-
-
 def cmd_generate(args: argparse.Namespace) -> None:
-    import time
-
-    from blockspec.config import SamplingParams
-    from blockspec.decoding.generate import generate
-    from blockspec.models.tokenizer import StreamDecoder
-
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens)
     if args.compile and args.method != "ar":
         raise BlockspecError("--compile applies to --method ar (speculative rounds run eagerly)")
-    target, tokenizer, draft = load_models(args)
+    models = load_models(args.target, args.draft, args.method, block_size=args.block_size, dtype=args.dtype)
+    tokenizer = models.tokenizer
     text = args.prompt
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -111,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         sys.stdout.flush()
 
     t0 = time.perf_counter()
-    out = generate(target, [prompt_ids], params, draft=draft, method=args.method, rule=args.rule,
+    out = generate(models.target, [prompt_ids], params, draft=models.draft, method=args.method, rule=args.rule,
                    on_tokens=on_tokens, compile=args.compile)
     elapsed = time.perf_counter() - t0
     sys.stdout.write("\n")
@@ -125,21 +76,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> None:
-    from blockspec import embedded
-    from blockspec.models.checkpoint import load_target, resolve_device
-    from blockspec.models.tokenizer import Tokenizer
-    from blockspec.training.data import load_prompts, regenerate
-
-    target_dir = Path(args.target) if args.target else embedded.default_target()
-    target = load_target(target_dir, dtype=args.dtype, device=resolve_device(args.device))
-    prompts = load_prompts(args.prompts, Tokenizer(target_dir), args.num_prompts, seed=args.seed)
-    n = regenerate(target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+    models = load_models(args.target, dtype=args.dtype, device=resolve_device(args.device))
+    prompts = load_prompts(args.prompts, models.tokenizer, args.num_prompts, seed=args.seed)
+    n = regenerate(models.target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                    temperature=args.temperature, seed=args.seed)
     print(json.dumps({"prompts": n, "out": args.out}))
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from blockspec.training.trainer import TrainConfig, train
     result = train(dataclass_from_args(TrainConfig, args, args.config))
     if result["rank"] == 0:
         print(json.dumps({k: v for k, v in result.items() if k != "param_checksum"}))
@@ -147,8 +91,6 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     """Load a draft in any supported format and save it (dtype change / normalised names)."""
-    from blockspec.models.checkpoint import load_draft, load_target, save_draft
-
     target = load_target(args.target) if args.target else None
     draft = load_draft(args.draft, target=target)
     save_draft(draft, Path(args.out), dtype=args.dtype)
@@ -158,10 +100,6 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> None:
     """Measure the verify cost table T(n) that DSpark's scheduler plans with."""
-    from blockspec import embedded
-    from blockspec.decoding.scheduler import profile_cost_table
-    from blockspec.models.checkpoint import load_draft, load_target
-
     target = load_target(Path(args.target) if args.target else embedded.default_target(), dtype=args.dtype)
     ns = [int(x) for x in args.tokens.split(",")] if args.tokens else list(range(1, args.max_tokens + 1))
     draft = None
@@ -185,17 +123,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     """Fit per-slot confidence temperatures (STS) on held-out rollouts; report before / after."""
-    from blockspec import embedded
-    from blockspec.config import SamplingParams
-    from blockspec.models.checkpoint import load_draft, load_target
-    from blockspec.models.tokenizer import Tokenizer
-    from blockspec.training.calibrate import collect_rollouts, fit_sts, save_temperatures
-    from blockspec.training.data import load_prompts
-
-    target_dir = Path(args.target) if args.target else embedded.default_target()
-    target = load_target(target_dir)
-    draft = load_draft(args.draft, target=target)
-    prompts = load_prompts(args.prompts, Tokenizer(target_dir), args.num_prompts, seed=args.seed)
+    models = load_models(args.target, args.draft, "dspark")
+    target, draft = models.target, models.draft
+    prompts = load_prompts(args.prompts, models.tokenizer, args.num_prompts, seed=args.seed)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     half = len(prompts) // 2  # fit on one half, report on the other
     fit, held = collect_rollouts(target, draft, prompts[:half], params), collect_rollouts(target, draft, prompts[half:], params)
@@ -222,8 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--rule", choices=["rejection", "match"], default="rejection",
-                   help="acceptance rule when sampling (both lossless; rejection accepts more)")
+    add_rule_flag(p)
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
     p.add_argument("--compile", action="store_true",
                    help="AR only: torch.compile the decode step (slow first step, faster after)")
@@ -233,19 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="re-save a DFlash / DSpark draft (checks it, normalises names, casts dtype)")
     p.add_argument("--draft", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--target", default=None, help="check the draft against this target")
-    p.add_argument("--dtype", default="bfloat16")
+    add_target_flag(p, help="check the draft against this target")
+    add_dtype_flag(p, default="bfloat16")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("profile", help="measure the verify cost table T(n) for DSpark scheduling")
-    p.add_argument("--target", default=None)
+    add_target_flag(p)
     p.add_argument("--out", default="cost_table.json")
     p.add_argument("--max-tokens", type=int, default=256, help="profile n = 1..max-tokens")
     p.add_argument("--tokens", default=None, help="explicit comma-separated n values instead")
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dtype", default="float32")
+    add_dtype_flag(p)
     p.add_argument("--draft", default=None,
                    help="also time draft rounds of this draft ('embedded' = the shipped DSpark draft), so the "
                         "scheduled engine can skip drafting when a plain AR round is faster")
@@ -254,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="fit DSpark confidence temperatures (STS) on held-out rollouts")
     p.add_argument("--draft", required=True)
-    p.add_argument("--target", default=None)
+    add_target_flag(p)
     p.add_argument("--prompts", required=True, help="jsonl of prompts, or a corpus directory")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -274,29 +203,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("regenerate", help="write the target's own responses to prompts (draft training data)")
     p.add_argument("--prompts", required=True, help="jsonl of prompt/text/messages, or a corpus directory")
     p.add_argument("--out", required=True)
-    p.add_argument("--target", default=None)
+    add_target_flag(p)
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
+    add_dtype_flag(p)
+    add_device_flag(p)
     p.set_defaults(func=cmd_regenerate)
 
-    from blockspec.training.trainer import TrainConfig
     p = sub.add_parser("train", help="train a DFlash or DSpark drafter (also under torchrun)")
     p.add_argument("--config", default=None, help="JSON file of TrainConfig fields")
     add_dataclass_flags(p, TrainConfig)
     p.set_defaults(func=cmd_train)
 
-    from blockspec.bench.runner import add_bench_parser
     add_bench_parser(sub)
-
-    from blockspec.serving.server import add_serve_parser
     add_serve_parser(sub)
 
-    from blockspec.training.pretrain import PretrainConfig
     p = sub.add_parser("pretrain", help="pretrain a small target model on the code corpus")
     p.add_argument("--config", default=None, help="JSON file of PretrainConfig fields")
     add_dataclass_flags(p, PretrainConfig)

@@ -13,8 +13,8 @@ __all__ = ["ServerLimits", "create_app"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: the CLI imports serving.server to build its parser, which must not pull in
-    # FastAPI and torch.
+    # Lazy: FastAPI is the optional `serve` extra; the CLI imports serving.server to build
+    # its parser, which must work without it.
     if name in __all__:
         from blockspec.serving import api
         return getattr(api, name)

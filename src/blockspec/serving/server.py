@@ -20,11 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from blockspec.config import DraftConfig
+from blockspec.decoding.engine import Engine
+from blockspec.decoding.scheduler import CostTable
 from blockspec.errors import BlockspecError
+from blockspec.loading import DRAFT_KINDS, load_models
+from blockspec.options import add_model_flags
 
 log = logging.getLogger(__name__)
 
-SPEC_METHODS = ("dflash", "dspark")
+SPEC_METHODS = DRAFT_KINDS
 SPEC_CONFIG_KEYS = ("method", "model", "num_speculative_tokens")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -97,7 +102,6 @@ def resolve_speculation(args: argparse.Namespace) -> Speculation:
 
 
 def draft_method(draft_dir: Path) -> str:
-    from blockspec.config import DraftConfig
     return "dspark" if DraftConfig.load(draft_dir).is_dspark else "dflash"
 
 
@@ -110,21 +114,16 @@ def block_for(layout: str, num_drafts: int) -> int:
 
 def build_engine(args: argparse.Namespace):
     """(Engine, Tokenizer, served model name) from parsed `serve` flags."""
-    from blockspec.cli import load_models
-    from blockspec.decoding.engine import Engine
-    from blockspec.decoding.scheduler import CostTable
-
     spec = resolve_speculation(args)
     if args.cost_table and not (args.scheduled or args.draft_gate):
         raise BlockspecError("--cost-table is used by scheduled verification and the draft gate only; "
                              "add --scheduled or --draft-gate")
     if args.draft_gate and not args.cost_table:
         raise BlockspecError("--draft-gate needs --cost-table (blockspec profile --draft ...)")
-    models = argparse.Namespace(target=args.target, draft=spec.draft, method=spec.method,
-                                block_size=spec.block_size, dtype=args.dtype)
-    target, tokenizer, draft = load_models(models)
+    models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size, dtype=args.dtype)
+    target, tokenizer, draft = models.target, models.tokenizer, models.draft
     if draft is not None and spec.num_drafts is not None:
-        draft.set_block_size(block_for(draft.config.layout, spec.num_drafts))
+        draft = draft.with_block_size(block_for(draft.config.layout, spec.num_drafts))
     table = CostTable.load(args.cost_table) if args.cost_table else None
     engine = Engine(target, draft, spec.method, scheduled=args.scheduled, max_running=args.max_running,
                     kv_memory_gb=args.kv_memory_gb, max_model_len=args.max_model_len, cost_table=table,
@@ -139,7 +138,7 @@ def _ignore_signal(signum: int, frame: Any) -> None:
 
 def run_server(app: Any, host: str, port: int, drain_timeout: float, log_level: str = "info") -> None:
     """Serve until SIGINT / SIGTERM, then drain for up to `drain_timeout` s, cancel the rest, return."""
-    import uvicorn
+    import uvicorn  # lazy: the optional `serve` extra
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=drain_timeout)
@@ -161,9 +160,9 @@ def run_server(app: Any, host: str, port: int, drain_timeout: float, log_level: 
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    try:
+    try:  # lazy: FastAPI / uvicorn are the optional `serve` extra
         from blockspec.serving.api import ServerLimits, create_app
-    except ImportError as exc:  # FastAPI / uvicorn are the optional `serve` extra
+    except ImportError as exc:
         raise BlockspecError(f"serving needs FastAPI and uvicorn: pip install 'blockspec[serve]' ({exc})") from None
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
@@ -180,8 +179,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 # -- flags ----------------------------------------------------------------------------------------
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from blockspec.cli import add_model_flags
-
     add_model_flags(p)
     p.set_defaults(method=None)  # None: from the aliases, else from the draft, else ar
     p.add_argument("--scheduled", action="store_true", help="DSpark confidence-scheduled verification")
