@@ -1,4 +1,4 @@
-"""Random anchors and the packed block attention mask (design section 7).
+"""Random anchors and the packed block attention mask (docs/design.md section 7).
 
 All blocks of a sequence run in one draft forward. Keys are
 [context positions 0..T-1 | all block slots]; the block of anchor a sees

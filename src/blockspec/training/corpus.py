@@ -79,7 +79,7 @@ def iter_texts(jsonl: Path):
 
 def train_tokenizer(corpus_dir: Path, out_dir: Path, vocab_size: int = 8192) -> None:
     """Byte-level BPE on the training split; writes tokenizer.json + tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # lazy: only `corpus` trains one
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.progress import Progress
 
 from blockspec.config import SamplingParams
+from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
 from blockspec.models.target import TargetModel
 from blockspec.models.tokenizer import Tokenizer
@@ -89,10 +91,6 @@ def read_prompt_jsonl(path: Path, tokenizer: Tokenizer | None = None) -> list[tu
 def regenerate(target: TargetModel, prompts: list[list[int]], out: Path, max_new_tokens: int = 256,
                batch_size: int = 16, temperature: float = 0.0, seed: int = 0) -> int:
     """Append {"prompt_ids", "response_ids"} lines for the prompts not yet in `out` (resumable)."""
-    from rich.progress import Progress
-
-    from blockspec.decoding.generate import generate
-
     out.parent.mkdir(parents=True, exist_ok=True)
     done = sum(1 for _ in out.open()) if out.is_file() else 0
     with out.open("a") as f, Progress() as bar:

@@ -1,4 +1,4 @@
-"""Draft training losses (design section 7).
+"""Draft training losses (docs/design.md section 7).
 
 DFlash (zlab): cross-entropy at block slot k weighted exp(-(k-1)/lambda), slot 0 unused.
 DSpark (deepspec): 0.1*CE + 0.9*L1(p_draft - p_target) + 1.0*BCE(confidence), weights

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 from torch import nn
 
 from blockspec.config import TargetConfig
@@ -79,7 +82,6 @@ def tokenize_split(corpus: Path, tokenizer_dir: Path, split: str, cache_dir: Pat
     cache = cache_dir / f"{split}_tokens.safetensors"
     if cache.is_file():
         return read_tensors_file(cache)
-    from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     eos = tok.token_to_id(EOS)
     texts = list(iter_texts(corpus / f"{split}.jsonl"))
@@ -89,13 +91,11 @@ def tokenize_split(corpus: Path, tokenizer_dir: Path, split: str, cache_dir: Pat
         ids.append(eos)
     stream = torch.tensor(ids, dtype=torch.int32)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
     save_file({"tokens": stream}, str(cache))
     return stream
 
 
 def read_tensors_file(path: Path) -> torch.Tensor:
-    from safetensors.torch import load_file
     return load_file(str(path))["tokens"]
 
 
@@ -157,7 +157,6 @@ def export(model: TargetModel, cfg: PretrainConfig, dest: Path, info: dict) -> N
 
 def pretrain(cfg: PretrainConfig) -> dict:
     cfg.validate()
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -166,7 +165,6 @@ def pretrain(cfg: PretrainConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     train = tokenize_split(Path(cfg.corpus), Path(cfg.tokenizer), "train", out)
     val = tokenize_split(Path(cfg.corpus), Path(cfg.tokenizer), "val", out)
-    from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(Path(cfg.tokenizer) / "tokenizer.json"))
 
     torch.manual_seed(cfg.seed)

@@ -22,12 +22,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from blockspec.config import DraftConfig
+from rich.progress import Progress
+
+from blockspec.config import DraftConfig, SamplingParams
+from blockspec.decoding.acceptance import AcceptanceStats
+from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import (load_draft, load_target, read_tensors, resolve_device, save_draft,
                                         write_tensors)
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
+from blockspec.models.tokenizer import Tokenizer
 from blockspec.training.anchors import pack_blocks, sample_anchors
 from blockspec.training.data import Example, collate, load_examples
 from blockspec.training.losses import LossParts, dflash_loss, dspark_loss, slot_weights
@@ -186,10 +191,6 @@ def sync_gradients(params: list[torch.nn.Parameter], world: int) -> None:
 @torch.no_grad()
 def evaluate_acceptance(draft: DraftModel, target: TargetModel, examples: list[Example], new_tokens: int) -> dict:
     """Greedy speculative decoding on held-out prompts: tau and per-slot acceptance."""
-    from blockspec.bench.metrics import AcceptanceStats
-    from blockspec.config import SamplingParams
-    from blockspec.decoding.generate import generate
-
     draft.eval()
     stats = AcceptanceStats()
     prompts = [e.ids[:e.response_start] for e in examples]
@@ -244,7 +245,6 @@ def train(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
 
     target = load_target(cfg.target, dtype="bfloat16" if cfg.bf16 else "float32", device=device)
-    from blockspec.models.tokenizer import Tokenizer
     tokenizer = Tokenizer(cfg.target)
     if tokenizer.mask_token_id is None:
         raise BlockspecError("train: the target's tokenizer has no mask_token; add a reserved <|mask|> token")
@@ -276,8 +276,6 @@ def train(cfg: TrainConfig) -> dict:
         step, elapsed, history = meta["step"], meta["elapsed"], meta["history"]
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "log.jsonl", "a") if rank == 0 else None
-    from rich.progress import Progress
-
     t_start = time.time() - elapsed
     run_start, run_t0 = step, time.time()
     with Progress(disable=rank != 0) as bar:
