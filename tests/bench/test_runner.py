@@ -15,14 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.bench.runner import (
-    accept_pattern,
-    add_bench_parser,
-    collect_calibration,
-    run_bench,
-    speculative_loop,
-    throughput_vs_concurrency,
-)
+from blockspec.bench.arms import accept_pattern
+from blockspec.bench.cli import add_bench_parser
+from blockspec.bench.loop import speculative_loop
+from blockspec.bench.measure import collect_calibration, throughput_vs_concurrency
+from blockspec.bench.report import render_markdown
+from blockspec.bench.run import run_bench
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
@@ -262,8 +260,6 @@ def test_gpu_bench_smoke_on_cpu(capsys):
 
 
 def test_markdown_report_has_the_throughput_table(bench):
-    from blockspec.bench.runner import render_markdown
-
     results, _ = bench
     assert "Engine throughput vs concurrency" not in render_markdown(results)   # not measured: no table
     with_conc = dict(results, concurrency={"concurrency": [1, 4],
