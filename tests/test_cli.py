@@ -1,0 +1,66 @@
+"""The command line's parser, and the layering rule that nothing imports the CLI."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from blockspec import cli
+
+SRC = Path(cli.__file__).resolve().parent
+COMMANDS = ["generate", "convert", "profile", "calibrate", "corpus", "regenerate", "train", "bench", "serve",
+            "pretrain"]
+
+
+def test_every_subcommand_is_registered():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert sorted(sub.choices) == sorted(COMMANDS)
+
+
+def test_model_flags_defaults():
+    args = cli.build_parser().parse_args(["generate", "hi"])
+    assert (args.target, args.draft, args.method, args.block_size, args.dtype) == (None, None, "ar", None, "float32")
+    assert args.rule == "rejection" and args.max_new_tokens == 128 and args.stats
+    args = cli.build_parser().parse_args(["generate", "hi", "--method", "dspark", "--block-size", "3",
+                                          "--dtype", "bfloat16", "--rule", "match"])
+    assert (args.method, args.block_size, args.dtype, args.rule) == ("dspark", 3, "bfloat16", "match")
+
+
+def test_serve_method_defaults_to_none():
+    args = cli.build_parser().parse_args(["serve"])
+    assert args.method is None and args.dtype == "float32" and args.port == 8000
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["convert", "--draft", "d", "--out", "o"], {"dtype": "bfloat16", "target": None}),
+    (["profile"], {"dtype": "float32", "target": None, "draft": None, "out": "cost_table.json"}),
+    (["regenerate", "--prompts", "p", "--out", "o"], {"dtype": "float32", "device": "auto", "seed": 0}),
+    (["calibrate", "--draft", "d", "--prompts", "p"], {"target": None, "seed": 123, "num_prompts": 64}),
+])
+def test_per_command_defaults(argv, expected):
+    args = cli.build_parser().parse_args(argv)
+    assert {k: getattr(args, k) for k in expected} == expected
+
+
+def test_errors_exit_2(tmp_path, capsys):
+    assert cli.main(["generate", "x", "--target", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_nothing_imports_the_cli():
+    importers = []
+    for path in SRC.rglob("*.py"):
+        if path == SRC / "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n == "blockspec.cli" for n in names):
+                importers.append(str(path.relative_to(SRC)))
+    assert importers == []
