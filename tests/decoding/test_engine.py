@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding import engine as engine_module
+from blockspec.decoding import round as round_module
 from blockspec.decoding.engine import Engine
 from blockspec.decoding.generate import generate
 from blockspec.decoding.sampling import RowSampler, Verdict, warp
-from blockspec.decoding.scheduler import CostTable
-from blockspec.decoding.speculate import Proposal, prefill
+from blockspec.decoding.cost_table import CostTable
+from blockspec.decoding.round import Proposal, prefill
 from blockspec.errors import BlockspecError
 from lossless_stats import chi_square_p, exact_first_three
 from conftest import make_draft, make_target
@@ -109,7 +109,7 @@ def drive(engine: Engine, requests, seed: int, cancel_waiting: int = 2, cancel_r
 def test_greedy_with_arrivals_and_cancellations_equals_ar(monkeypatch, target64, requests, config):
     engine = build(target64, config)
     packed = count_calls(monkeypatch, target64, "forward_packed")
-    proposals = count_calls(monkeypatch, engine_module, "propose")
+    proposals = count_calls(monkeypatch, round_module, "propose")
     handles, streamed = drive(engine, requests, seed=7)
     for i, (_, _, ref) in enumerate(requests):
         result = handles[i].result(timeout=0)
@@ -142,10 +142,10 @@ def test_greedy_with_arrivals_and_cancellations_equals_ar(monkeypatch, target64,
 def oracle_propose(full_sequences: list[list[int]], corrupt_every: int = 4):
     """Draft the target's own greedy continuation (found by position + anchor), corrupt
     some slots, and report varied confidences so the scheduler picks varied lengths."""
-    real = engine_module.propose
+    real = round_module.propose
     calls = itertools.count(1)
 
-    def propose(draft, target, draft_cache, anchors, sampler, num_drafts=None, min_survival=0.0):
+    def propose(draft, target, draft_cache, anchors, sampler, num_drafts=None, stop_below=0.0, confidence_map=None):
         # Full window always: the oracle reports its own confidences (the plan applies the floor).
         proposal = real(draft, target, draft_cache, anchors, sampler, num_drafts)
         tokens = proposal.tokens.clone()
@@ -163,7 +163,9 @@ def oracle_propose(full_sequences: list[list[int]], corrupt_every: int = 4):
         pos = draft_cache.lengths.double().unsqueeze(1) + torch.arange(g, dtype=torch.float64)
         confidence = 0.35 + 0.64 * torch.sin(pos * 12.9898 + 78.233).abs()
         probs = torch.nn.functional.one_hot(tokens, target.config.vocab_size).double()
-        return Proposal(tokens, probs, confidence.float())
+        confidence = confidence.float()
+        planned = confidence if confidence_map is None else confidence_map(confidence, 0)
+        return Proposal(tokens, probs, planned, confidence)
 
     return propose
 
@@ -171,7 +173,7 @@ def oracle_propose(full_sequences: list[list[int]], corrupt_every: int = 4):
 @pytest.mark.parametrize("config", ["dflash", "dspark", "dspark-scheduled"])
 def test_long_accepted_runs_stop_inside_runs(monkeypatch, target64, requests, config):
     full = [prompt + ref.tokens for prompt, _, ref in requests]
-    monkeypatch.setattr(engine_module, "propose", oracle_propose(full))
+    monkeypatch.setattr(round_module, "propose", oracle_propose(full))
     engine = build(target64, config, block_size=8, max_running=4)
     handles, _ = drive(engine, requests, seed=3, cancel_waiting=-1, cancel_running=-1)
     assert [handles[i].result().tokens for i in range(len(requests))] == [ref.tokens for _, _, ref in requests]
@@ -231,9 +233,9 @@ def test_deferred_draft_context_equals_the_full_context(monkeypatch, target64, r
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     prompts = [requests[i][0] for i in (0, 1, 2, 5)]
     full = [p + generate(target64, [p], params).completions[0].tokens for p in prompts]
-    monkeypatch.setattr(engine_module, "propose", oracle_propose(full))  # multi-token accepts
+    monkeypatch.setattr(round_module, "propose", oracle_propose(full))  # multi-token accepts
     engine = build(target64, "dspark-gated", max_running=3)
-    engine._gate = PatternGate([0, 0, 1, 0, 3, 0, 0, 0, 2, 0, 0], engine.draft.config.num_drafts)
+    engine.policy.gate = PatternGate([0, 0, 1, 0, 3, 0, 0, 0, 2, 0, 0], engine.draft.config.num_drafts)
     for p in prompts[:3]:
         engine.submit(p, params)
     for _ in range(7):
@@ -243,21 +245,21 @@ def test_deferred_draft_context_equals_the_full_context(monkeypatch, target64, r
     engine.submit(prompts[3], params)
     for _ in range(4):
         engine.step()
-    assert int(engine._pending.lengths.max()) > 1   # some rows really hold buffered context
+    assert int(engine.slots.pending.lengths.max()) > 1   # some rows really hold buffered context
     rows = len(engine._running)
-    view, draft_view = engine._views(0, rows)
+    view, draft_view = engine.slots.views(0, rows)
     with torch.inference_mode():
-        engine._pending.flush(engine.draft, draft_view, 0, rows)
+        engine.slots.pending.flush(rows)
         for row, req in enumerate(engine._running):
-            committed = req.prompt + req.state.tokens[:-1]   # everything but the next anchor
+            committed = req.prompt + req.output.tokens[:-1]   # everything but the next anchor
             assert int(draft_view.lengths[row]) == int(view.lengths[row]) == len(committed)
             target_cache = target64.new_cache(1, 64)
             ref_cache = engine.draft.new_cache(1, 64)
             prefill(target64, target_cache, [committed], RowSampler.from_params([SamplingParams()]),
                     engine.draft, ref_cache)
             n = len(committed)
-            torch.testing.assert_close(engine._draft_cache.k[:, row, :, :n], ref_cache.k[:, 0, :, :n])
-            torch.testing.assert_close(engine._draft_cache.v[:, row, :, :n], ref_cache.v[:, 0, :, :n])
+            torch.testing.assert_close(engine.slots.draft_cache.k[:, row, :, :n], ref_cache.k[:, 0, :, :n])
+            torch.testing.assert_close(engine.slots.draft_cache.v[:, row, :, :n], ref_cache.v[:, 0, :, :n])
 
 
 def test_packed_forward_equals_per_row_forward(target64):
@@ -353,7 +355,7 @@ def test_lossy_verifier_is_detected_under_batching(target12, monkeypatch):
                              zip(warp(target_logits, sampler)[rows, num_drafts], sampler.generators)])
         return Verdict(num_drafts.clone(), bonus)
 
-    monkeypatch.setattr(engine_module, "verify", accept_all)
+    monkeypatch.setattr(round_module, "verify", accept_all)
     params = SamplingParams(temperature=1.0)
     counts = sample_under_load(sampling_engine(target12, "dflash"), params)
     assert chi_square_p(counts, exact_first_three(target12, params, SAMPLE_PROMPT, VOCAB)) < ALPHA
@@ -411,8 +413,8 @@ def test_gate_drafts_shorter_blocks_and_output_still_equals_ar(monkeypatch, targ
     engine = build(target64, config, max_running=2)
     window = engine.draft.config.num_drafts
     blocks = []
-    real = engine_module.propose
-    monkeypatch.setattr(engine_module, "propose",
+    real = round_module.propose
+    monkeypatch.setattr(round_module, "propose",
                         lambda *a, **kw: (blocks.append(kw["num_drafts"]), real(*a, **kw))[1])
     handles = [engine.submit(p, params) for p, params, _ in requests]
     engine.run_until_done()
@@ -433,8 +435,8 @@ def test_gate_observes_every_round_it_gated(monkeypatch, target64, requests, con
                     scheduled=config == "dspark-scheduled", cost_table=table, draft_gate=True, max_running=3,
                     max_model_len=64)
     seen = []
-    real = engine._gate.observe
-    monkeypatch.setattr(engine._gate, "observe", lambda *a, **kw: (seen.append(a), real(*a, **kw)))
+    real = engine.policy.gate.observe
+    monkeypatch.setattr(engine.policy.gate, "observe", lambda *a, **kw: (seen.append(a), real(*a, **kw)))
     for prompt, params, _ in requests:
         engine.submit(prompt, params)
     engine.run_until_done()
@@ -447,7 +449,7 @@ def test_gate_observes_every_round_it_gated(monkeypatch, target64, requests, con
 
 def test_kv_budget_sets_the_slot_count(target64):
     probe = build(target64, "dflash", max_running=1)
-    per_slot = probe.row_bytes
+    per_slot = probe.slots.row_bytes
     engine = build(target64, "dflash", max_running=32, kv_memory_gb=5.5 * per_slot / 2**30)
     assert engine.rows == 5 and engine.metrics()["kv_bytes_total"] == 5 * per_slot
     assert build(target64, "dflash", max_running=2, kv_memory_gb=1.0).rows == 2
@@ -558,7 +560,7 @@ def test_failed_step_fails_every_request_in_background(target64, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine_module, "verify_packed", broken)
+    monkeypatch.setattr(round_module, "verify_and_commit", broken)
     engine.start()
     handles = [engine.submit(p, SamplingParams(max_new_tokens=5)) for p in PROMPTS[:3]]
     results = [h.result(timeout=30) for h in handles]

@@ -3,14 +3,16 @@ size and batch mix; and the KV cache's rollback."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding import generate as generate_module
+from blockspec.decoding import round as round_module
 from blockspec.decoding.generate import generate
 from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.speculate import Proposal, padding_groups, prefill
+from blockspec.decoding.round import Proposal, padding_groups, prefill
 from blockspec.errors import BlockspecError
 from conftest import make_draft, make_target
 
@@ -50,11 +52,11 @@ def oracle_propose(reference: list[list[int]], corrupt_every: int):
     """A propose() that drafts the target's own greedy continuation (found by
     matching position + anchor against the reference), corrupting some slots,
     so that long accepted runs, partial runs and full rejections all occur."""
-    real = generate_module.propose
+    real = round_module.propose
     calls = {"n": 0}
 
-    def propose(draft, target, draft_cache, anchors, sampler, num_drafts=None):
-        proposal = real(draft, target, draft_cache, anchors, sampler, num_drafts)
+    def propose(draft, target, draft_cache, anchors, sampler, num_drafts=None, **kw):
+        proposal = real(draft, target, draft_cache, anchors, sampler, num_drafts, **kw)
         tokens = proposal.tokens.clone()
         g = tokens.shape[1]
         for r in range(tokens.shape[0]):
@@ -79,7 +81,7 @@ def oracle_propose(reference: list[list[int]], corrupt_every: int):
 def test_oracle_drafts_long_runs_and_stop_inside_run(monkeypatch, target64, ar_reference, layout, rank, kind,
                                                       confidence, block_size):
     full = [p + a for p, a in zip(PROMPTS, ar_reference)]
-    monkeypatch.setattr(generate_module, "propose", oracle_propose(full, corrupt_every=3))
+    monkeypatch.setattr(round_module, "propose", oracle_propose(full, corrupt_every=3))
     draft = make_draft(target64, layout, block_size, markov_rank=rank, markov_type=kind, confidence=confidence)
     out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True), draft=draft)
     assert [c.tokens for c in out.completions] == ar_reference
@@ -98,11 +100,12 @@ def test_oracle_drafts_long_runs_and_stop_inside_run(monkeypatch, target64, ar_r
 
 def test_eos_stops_and_is_not_emitted(target64, ar_reference):
     eos = ar_reference[1][5]
-    target64.config.eos_token_id = [eos]
+    config = target64.config
+    target64.config = dataclasses.replace(config, eos_token_id=[eos])
     try:
         out = generate(target64, [PROMPTS[1]], SamplingParams(max_new_tokens=24))
     finally:
-        target64.config.eos_token_id = [target64.config.vocab_size - 1]
+        target64.config = config
     assert out.completions[0].tokens == ar_reference[1][:ar_reference[1].index(eos)]
     assert out.completions[0].finish_reason == "stop"
 

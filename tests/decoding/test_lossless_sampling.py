@@ -19,7 +19,7 @@ import torch
 scipy_stats = pytest.importorskip("scipy.stats")
 
 from blockspec.config import SamplingParams
-from blockspec.decoding import speculate
+from blockspec.decoding import round as round_module
 from blockspec.decoding.generate import generate
 from blockspec.decoding.sampling import Verdict, warp
 from lossless_stats import chi_square_p, exact_first_three
@@ -77,7 +77,7 @@ def test_lossy_verifier_is_detected(target, monkeypatch):
         bonus = torch.multinomial(warp(target_logits[:, g], sampler), 1, generator=sampler.generators[0])[:, 0]
         return Verdict(torch.full((drafts.shape[0],), g), bonus)
 
-    monkeypatch.setattr(speculate, "verify", accept_all)
+    monkeypatch.setattr(round_module, "verify", accept_all)
     params = SamplingParams(temperature=1.0)
     counts = empirical_counts(target, make_draft(target, "zlab", 4, seed=5), params)
     assert chi_square_p(counts, exact_first_three(target, params, PROMPT, VOCAB)) < ALPHA

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from blockspec.decoding.scheduler import (ConfidenceCalibration, CostTable, DraftGate, interpolate,
-                                         model_signature, plan, profile_cost_table)
+from blockspec.decoding.cost_table import CostTable, interpolate, model_signature, profile_cost_table
+from blockspec.decoding.policy import ConfidenceCalibration, DraftGate, admit, plan
 from blockspec.errors import BlockspecError
 from conftest import make_target
 
@@ -352,7 +352,7 @@ def test_plan_never_admits_below_the_floor():
 def test_early_stopped_proposal_plans_like_the_full_one():
     from blockspec.config import SamplingParams
     from blockspec.decoding.sampling import RowSampler
-    from blockspec.decoding.speculate import propose
+    from blockspec.decoding.round import propose
     from conftest import make_draft
 
     target = make_target(dtype=torch.float64)
@@ -371,7 +371,7 @@ def test_early_stopped_proposal_plans_like_the_full_one():
         floor = 0.3
         with torch.no_grad():
             full = propose(draft, target, cache, anchors, sampler)
-            short = propose(draft, target, cache, anchors, sampler, min_survival=floor)
+            short = propose(draft, target, cache, anchors, sampler, stop_below=floor)
         g = short.tokens.shape[1]
         stopped_early += g < full.tokens.shape[1]
         assert torch.equal(short.tokens, full.tokens[:, :g])
@@ -407,7 +407,7 @@ def test_propose_a_shorter_block_equals_a_draft_run_at_that_block_size(layout):
 
     from blockspec.config import SamplingParams
     from blockspec.decoding.sampling import RowSampler
-    from blockspec.decoding.speculate import propose
+    from blockspec.decoding.round import propose
     from conftest import make_draft
 
     target = make_target()
@@ -444,6 +444,7 @@ def test_gate_plans_identical_rows_as_the_planner_does(seed):
         draft_s = float(torch.rand(1, generator=gen)) * 3
         lens = plan(survival.unsqueeze(0).expand(rows, -1), table, draft_s, gate.min_survival)
         admitted = torch.arange(6).unsqueeze(0) < lens.unsqueeze(1)
-        tokens, n = gate._uniform_plan(survival.tolist(), rows, draft_s, table.times_upto(rows * 7))
+        n, tokens = admit([s for s in survival.tolist() for _ in range(rows)], rows, table.times_upto(rows * 7),
+                          draft_s, gate.min_survival)
         assert n == int(lens.sum())
         assert tokens == pytest.approx(rows + float((survival * admitted).sum()))

@@ -50,7 +50,7 @@ def test_cli_profile_with_the_embedded_draft(tmp_path):
     import json
 
     from blockspec import Engine
-    from blockspec.decoding.scheduler import CostTable
+    from blockspec.decoding.cost_table import CostTable
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "blockspec.cli", "profile", "--tokens", "1,4", "--repeats", "1",

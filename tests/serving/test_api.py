@@ -296,7 +296,7 @@ def test_speculation_aliases(dirs):
 
 
 def test_draft_gate_flag_gates_any_speculative_method(dirs, tmp_path):
-    from blockspec.decoding.scheduler import profile_cost_table
+    from blockspec.decoding.cost_table import profile_cost_table
     from blockspec.models.checkpoint import load_draft
 
     target_dir, draft_dir = map(str, dirs)

@@ -1,4 +1,4 @@
-"""Batch generation for `ar`, `dflash` and `dspark`.
+"""Batch generation for `ar`, `dflash` and `dspark`: a short loop over the one round.
 
 Rows have different prompt lengths, accept different numbers of drafts each
 round and finish at different times; a finished row leaves the batch (its
@@ -8,35 +8,22 @@ cache rows are dropped) so the others stop paying for it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
 
 import torch
 
-from blockspec.config import SamplingParams
+from blockspec.config import METHODS, SamplingParams
+from blockspec.decoding.acceptance import tau
+from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
+from blockspec.decoding.policy import FullWindow
+from blockspec.decoding.round import DirectContext, RoundInputs, RoundOutcome, prefill, speculative_round
 from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.speculate import prefill, propose, verify_and_commit
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
-METHODS = ("ar", "dflash", "dspark")
-
-
-@dataclass
-class RequestStats:
-    """Per-request record of every round: drafts verified and drafts accepted."""
-
-    verified: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-
-    @property
-    def rounds(self) -> int:
-        return len(self.accepted)
-
-    @property
-    def tau(self) -> float:
-        return (sum(self.accepted) + self.rounds) / max(1, self.rounds)
+__all__ = ["Completion", "GenerationOutput", "RequestStats", "RoundObserver", "Timing", "generate"]
 
 
 @dataclass
@@ -52,14 +39,6 @@ class Timing:
 
 
 @dataclass
-class Completion:
-    tokens: list[int]
-    finish_reason: str          # "stop" | "length"
-    stats: RequestStats
-    text: str | None = None
-
-
-@dataclass
 class GenerationOutput:
     completions: list[Completion]
     timing: Timing
@@ -71,32 +50,12 @@ class GenerationOutput:
     @property
     def tau(self) -> float:
         rounds = sum(c.stats.rounds for c in self.completions)
-        return (sum(sum(c.stats.accepted) for c in self.completions) + rounds) / max(1, rounds)
+        return tau(sum(sum(c.stats.accepted) for c in self.completions), rounds, empty=1.0)
 
 
-class RowState:
-    """Output bookkeeping of one request: stop tokens and max_new_tokens."""
-
-    def __init__(self, params: SamplingParams, eos_ids: list[int]) -> None:
-        self.params = params
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.stats = RequestStats()
-
-    def emit(self, new: list[int]) -> list[int]:
-        """Append tokens until a stop token or the length limit; return those kept."""
-        kept = []
-        for tok in new:
-            if tok in self.stop_ids:
-                self.finish_reason = "stop"
-                break
-            kept.append(tok)
-            self.tokens.append(tok)
-            if len(self.tokens) >= self.params.max_new_tokens:
-                self.finish_reason = "length"
-                break
-        return kept
+class RoundObserver(Protocol):
+    def on_round(self, outcome: RoundOutcome, requests: list[int]) -> None:
+        """After every round; requests[i]: the prompt index of batch row i."""
 
 
 def check_method(method: str, draft: DraftModel | None) -> None:
@@ -122,76 +81,95 @@ def check_lengths(target: TargetModel, prompts: list[list[int]], params: list[Sa
 @torch.inference_mode()
 def generate(target: TargetModel, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
              draft: DraftModel | None = None, method: str | None = None, rule: str = "rejection",
-             on_tokens: Callable[[int, list[int]], None] | None = None,
-             compile: bool = False) -> GenerationOutput:
+             on_tokens: Callable[[int, list[int]], None] | None = None, compile: bool = False, *,
+             tokenizer: Detokenizer | None = None, observer: RoundObserver | None = None,
+             forced_acceptance: Iterator[int] | None = None) -> GenerationOutput:
     """Generate for a batch of tokenised prompts. `on_tokens(row, tokens)` streams output.
 
     compile: AR decoding runs the target's torch.compile'd one-token step
-    (`TargetModel.compile_decode`, kept on the model for later calls)."""
+    (`TargetModel.compile_decode`, kept on the model for later calls).
+    tokenizer: needed for stop strings (`SamplingParams.stop`); completions then carry text.
+    observer: sees every round's outcome (calibration, traces).
+    forced_acceptance: accepted-draft counts imposed round after round on every row
+    (the bench's simulated acceptance; NOT lossless)."""
     method = method or ("ar" if draft is None else ("dspark" if draft.config.is_dspark else "dflash"))
     check_method(method, draft)
-    if method == "ar":
-        draft = None
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
+    draft = None if method == "ar" else draft
+    params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
     if len(params) != len(prompts):
         raise BlockspecError("need one SamplingParams per prompt")
     check_lengths(target, prompts, params)
-    eos = target.config.eos_token_id
-    states = [RowState(p, eos) for p in params]
+    if forced_acceptance is not None and draft is None:
+        raise BlockspecError("forced acceptance needs a speculative method")
+    states = [RequestOutputState(p, target.config.eos_token_id, tokenizer) for p in params]
+    batch = _start(target, draft, prompts, params, compile and method == "ar")
+    timing = Timing(prefill_s=batch.prefill_s)
+    active = list(range(len(prompts)))
+    for r, tok in enumerate(batch.inputs.anchors.tolist()):
+        _emit(states[r], r, [tok], on_tokens)
+    policy = FullWindow(draft.config.num_drafts if draft is not None else 0)
+    while True:
+        active = _drop_finished(batch.inputs, active, states)
+        if not active:
+            break
+        forced = None
+        if forced_acceptance is not None:
+            forced = torch.full((len(active),), next(forced_acceptance), device=target.device)
+        outcome = speculative_round(batch.inputs, policy, rule=rule, forced=forced)
+        timing.draft_s += outcome.draft_s
+        timing.verify_s += outcome.plan_s + outcome.verify_s
+        timing.rounds += 1
+        for i, r in enumerate(active):
+            states[r].record_round(outcome.verified[i], outcome.accepted[i])
+            _emit(states[r], r, outcome.new_tokens(i), on_tokens)
+        if observer is not None:
+            observer.on_round(outcome, active)
+    return GenerationOutput([s.completion() for s in states], timing)
+
+
+@dataclass
+class _Batch:
+    inputs: RoundInputs
+    prefill_s: float
+
+
+def _start(target: TargetModel, draft: DraftModel | None, prompts: list[list[int]], params: list[SamplingParams],
+           compile: bool) -> _Batch:
+    """Allocate the caches for the whole generation and prefill every prompt."""
     width = draft.config.block_size + 1 if draft is not None else 1
     capacity = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)) + width + 1
-    if method == "ar" and compile:
+    if compile:
         target.compile_decode()
-    if method == "ar" and target.decode_compiled:
+    if draft is None and target.decode_compiled:
         # The compiled step's shapes include the capacity: round it up to a power of two
         # so nearby prompt lengths share one graph.
         capacity = max(256, 1 << (capacity - 1).bit_length())
     cache = target.new_cache(len(prompts), capacity)
     draft_cache = draft.new_cache(len(prompts), capacity + width) if draft is not None else None
     sampler = RowSampler.from_params(params, target.device)
-    timing = Timing()
-
     t0 = time.perf_counter()
     anchors = prefill(target, cache, prompts, sampler, draft, draft_cache)
-    timing.prefill_s = time.perf_counter() - t0
-    active = list(range(len(prompts)))
-    for r, tok in enumerate(anchors.tolist()):
-        kept = states[r].emit([tok])
-        if on_tokens and kept:
-            on_tokens(r, kept)
+    context = DirectContext(draft, draft_cache) if draft is not None and draft_cache is not None else None
+    return _Batch(RoundInputs(target, draft, cache, draft_cache, context, anchors, sampler),
+                  time.perf_counter() - t0)
 
-    while True:
-        done = [i for i, r in enumerate(active) if states[r].finish_reason is not None]
-        if done:
-            keep = [i for i, r in enumerate(active) if states[r].finish_reason is None]
-            if not keep:
-                break
-            index = torch.tensor(keep, device=target.device)
-            cache.keep_rows(index)
-            if draft_cache is not None:
-                draft_cache.keep_rows(index)
-            sampler = sampler.select(keep)
-            anchors = anchors[index]
-            active = [active[i] for i in keep]
-        t0 = time.perf_counter()
-        proposal = propose(draft, target, draft_cache, anchors, sampler) if draft is not None else None
-        t1 = time.perf_counter()
-        verdict = verify_and_commit(target, cache, anchors, proposal, sampler, draft, draft_cache, rule=rule)
-        t2 = time.perf_counter()
-        timing.draft_s += t1 - t0
-        timing.verify_s += t2 - t1
-        timing.rounds += 1
-        accepted = verdict.accepted.tolist()
-        bonus = verdict.bonus.tolist()
-        drafted = proposal.tokens.tolist() if proposal is not None else [[] for _ in active]
-        for i, r in enumerate(active):
-            state = states[r]
-            state.stats.verified.append(len(drafted[i]))
-            state.stats.accepted.append(accepted[i])
-            kept = state.emit(drafted[i][:accepted[i]] + [bonus[i]])
-            if on_tokens and kept:
-                on_tokens(r, kept)
-        anchors = verdict.bonus
-    completions = [Completion(s.tokens, s.finish_reason or "length", s.stats) for s in states]
-    return GenerationOutput(completions, timing)
+
+def _emit(state: RequestOutputState, row: int, tokens: list[int],
+          on_tokens: Callable[[int, list[int]], None] | None) -> None:
+    delta = state.push(tokens)
+    if on_tokens is not None and delta.tokens:
+        on_tokens(row, delta.tokens)
+
+
+def _drop_finished(batch: RoundInputs, active: list[int], states: list[RequestOutputState]) -> list[int]:
+    """Finished rows leave the batch: caches, sampler and anchors keep the others."""
+    keep = [i for i, r in enumerate(active) if not states[r].finished]
+    if len(keep) == len(active) or not keep:
+        return [active[i] for i in keep]
+    index = torch.tensor(keep, device=batch.anchors.device)
+    batch.cache.keep_rows(index)
+    if batch.draft_cache is not None:
+        batch.draft_cache.keep_rows(index)
+    batch.sampler = batch.sampler.select(keep)
+    batch.anchors = batch.anchors[index]
+    return [active[i] for i in keep]

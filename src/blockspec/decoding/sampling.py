@@ -1,7 +1,7 @@
 """The one sampling / verification module used by every decoding path.
 
 logits -> warped probabilities (temperature, top-k, top-p) -> sample, and the
-three acceptance rules of design section 4: greedy prefix match, lossless
+three acceptance rules of docs/design.md section 4: greedy prefix match, lossless
 rejection sampling (default when temperature > 0) and sample-and-match.
 
 Rows carry their own parameters and their own seeded generator, so a
@@ -49,15 +49,11 @@ class RowSampler:
     generators: list[torch.Generator]
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "RowSampler":
-        gens = []
-        for p in params:
-            g = torch.Generator(device="cpu")
-            if p.seed is None:
-                g.seed()
-            else:
-                g.manual_seed(p.seed)
-            gens.append(g)
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu",
+                    generators: list[torch.Generator] | None = None) -> "RowSampler":
+        """One row per params; `generators`: the rows' own (a running request keeps
+        its generator across rounds), else new ones seeded from `params`."""
+        gens = generators if generators is not None else [new_generator(p) for p in params]
         return cls(
             temperature=torch.tensor([float(p.temperature) for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
@@ -81,6 +77,25 @@ class RowSampler:
     def uniform(self, shape_per_row: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """[R, *shape] uniforms in [0, 1), each row from its own generator."""
         return torch.stack([torch.rand(shape_per_row, generator=g) for g in self.generators]).to(device)
+
+    def uniform_rows(self, counts: list[int], width: int, device: torch.device) -> torch.Tensor:
+        """[R, width] uniforms where row r draws only its first counts[r] (the rest are 0):
+        a row consumes its generator for its own positions alone, so its random stream
+        does not depend on how far its neighbours verify."""
+        out = torch.zeros(len(counts), width)
+        for r, (n, g) in enumerate(zip(counts, self.generators)):
+            out[r, :n] = torch.rand(n, generator=g)
+        return out.to(device)
+
+
+def new_generator(params: SamplingParams) -> torch.Generator:
+    """A request's own generator: seeded when it asks for a seed, else from entropy."""
+    g = torch.Generator(device="cpu")
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(params.seed)
+    return g
 
 
 def warp(logits: torch.Tensor, sampler: RowSampler) -> torch.Tensor:
@@ -142,7 +157,7 @@ class Verdict:
 def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
            sampler: RowSampler, num_drafts: torch.Tensor | None = None,
            rule: str = "rejection") -> Verdict:
-    """Decide how many drafts each row keeps (design section 4).
+    """Decide how many drafts each row keeps (docs/design.md section 4).
 
     target_logits [R, g+1, V]: next-token rows for [anchor, d1..dg];
     drafts [R, g]; draft_probs [R, g, V]: the exact (warped) proposal
@@ -167,8 +182,10 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
     if g == 0:  # plain AR step: nothing to accept, sample from P_0
         u = sampler.uniform((1,), device)
         return Verdict(torch.zeros(r, dtype=torch.long, device=device), sample_from(p[:, 0], u[:, 0]))
+    # Row r draws num_drafts[r] + 1 uniforms: its verified slots and its bonus.
+    u = sampler.uniform_rows((num_drafts + 1).tolist(), g + 1, device)
+    own_last = num_drafts.unsqueeze(1)
     if rule == "match":
-        u = sampler.uniform((g + 1,), device)
         target_tokens = sample_from(p, u)  # independent target samples t_1..t_{g+1}
         ok = (drafts == target_tokens[:, :g]) & proposed
         accepted = ok.long().cumprod(1).sum(1)
@@ -179,7 +196,6 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
         raise ValueError("rejection sampling needs the draft's proposal probabilities")
     p_d = p[:, :g].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)            # P_{i-1}(d_i)
     q_d = draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1).float()  # Q_i(d_i)
-    u = sampler.uniform((g + 1,), device)
     ok = (u[:, :g] * q_d < p_d) & proposed  # u < P/Q without dividing by zero
     accepted = ok.long().cumprod(1).sum(1)
     # Bonus: residual max(0, P - Q) after a rejection of a proposed draft, else P itself.
@@ -191,5 +207,5 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
     mass = residual.sum(-1, keepdim=True)
     use_residual = rejected.unsqueeze(1) & (mass > 0)
     bonus_dist = torch.where(use_residual, residual / mass.clamp(min=1e-30), p_a)
-    bonus = sample_from(bonus_dist, u[:, g])
+    bonus = sample_from(bonus_dist, u.gather(1, own_last).squeeze(1))
     return Verdict(accepted, bonus)

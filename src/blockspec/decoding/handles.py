@@ -1,0 +1,92 @@
+"""Request handles of the engine: a thread-safe view of one request's stream.
+
+The engine thread `publish`es each delta; clients iterate over the deltas
+(sync or async), block on `result()`, or `await` the handle for the final
+Completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Iterator
+
+from blockspec.decoding.output import Completion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """One streamed delta of a request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None   # "stop" | "length" | "cancelled" | "error" once finished
+
+
+class RequestHandle:
+    """Thread-safe view of one request: iterate (sync or async) over deltas,
+    block on `result()` or `await handle` for the final Completion."""
+
+    def __init__(self, request_id: str, on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        self.request_id = request_id
+        self._on_output = on_output
+        self._lock = threading.Lock()
+        self._deltas: queue.Queue[RequestOutput] = queue.Queue()
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
+        self._future: concurrent.futures.Future[Completion] = concurrent.futures.Future()
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._future.done()
+
+    def publish(self, out: RequestOutput, completion: Completion | None = None) -> None:
+        """Deliver a delta (the engine thread); with `completion`, the request's end."""
+        with self._lock:
+            if self._async is not None:
+                loop, aq = self._async
+                loop.call_soon_threadsafe(aq.put_nowait, out)
+            else:
+                self._deltas.put(out)
+        if self._on_output is not None:
+            try:
+                self._on_output(out)
+            except Exception as exc:  # a client's callback must not take the engine down
+                self.error = exc
+                log.exception("on_output callback of request %s failed", self.request_id)
+        if completion is not None and not self._future.done():  # an awaiting task may have been cancelled
+            self._future.set_result(completion)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self._deltas.get()
+            yield out
+            if out.finished:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        aq: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        with self._lock:  # move what was already produced, then receive directly
+            while not self._deltas.empty():
+                aq.put_nowait(self._deltas.get_nowait())
+            self._async = (asyncio.get_running_loop(), aq)
+        while True:
+            out = await aq.get()
+            yield out
+            if out.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> Completion:
+        return self._future.result(timeout)
+
+    def __await__(self):
+        # Shielded: cancelling the awaiting task must not cancel the request's future.
+        return asyncio.shield(asyncio.wrap_future(self._future)).__await__()

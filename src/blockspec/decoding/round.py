@@ -1,0 +1,362 @@
+"""The one speculative round, used by every decoding path (docs/design.md sections 4 and 12).
+
+`prefill` starts rows and samples their first anchor. A round is
+`propose` (one draft forward for the block; DSpark's Markov head then samples
+slot by slot) -> the policy's plan (how many drafts each row verifies) ->
+`verify_and_commit` (one target forward over [anchor, drafts], the acceptance
+rule, the caches rolled back to the accepted prefix) -> the accepted rows'
+target features handed to the draft context. `speculative_round` runs those
+steps under a `RoundPolicy`; `generate`, the engine, the bench (forced
+acceptance) and calibration (observers of `generate`) all call it. AR
+decoding is the same round with zero drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify
+from blockspec.models.draft import DraftModel
+from blockspec.models.kv_cache import KVCache
+from blockspec.models.target import TargetModel
+
+# Maps a block's raw confidences [R, s] of slots first.. to the ones the policy plans with.
+ConfidenceMap = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor                 # [R, g] drafted tokens
+    probs: torch.Tensor | None           # [R, g, V] the exact distributions they were drawn from
+                                         # (None when every row is greedy: verification only compares tokens)
+    confidence: torch.Tensor | None      # [R, g] per-slot acceptance probability the policy plans with (DSpark)
+    raw_confidence: torch.Tensor | None = None   # [R, g] the confidence head's own output
+
+
+# -- prefill ------------------------------------------------------------------------
+
+def padding_groups(lengths: list[int], max_padding: float = 0.25) -> list[tuple[int, int]]:
+    """Contiguous row ranges [a, b) whose right-padded size stays within
+    (1 + max_padding) x their real tokens: a padded batch of very different prompt
+    lengths costs more than separate forwards (32 HumanEval prompts: 1.21 s padded,
+    0.66 s grouped; benchmarks/prefill.py)."""
+    groups, start, longest, total = [], 0, 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and max(longest, n) * (i - start + 1) > (1 + max_padding) * (total + n):
+            groups.append((start, i))
+            start, longest, total = i, 0, 0
+        longest, total = max(longest, n), total + n
+    if lengths:
+        groups.append((start, len(lengths)))
+    return groups
+
+
+def prefill(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
+            draft: DraftModel | None = None, draft_cache: KVCache | None = None) -> torch.Tensor:
+    """Run the prompts through the target (right-padded, in groups of similar length:
+    `padding_groups`), seed the draft context, and sample each row's first token (the
+    first anchor; every row draws from its own generator, so grouping changes no
+    draw). Returns anchors [R]."""
+    groups = padding_groups([len(p) for p in prompts])
+    if len(groups) == 1:
+        return _prefill_rows(target, cache, prompts, sampler, draft, draft_cache)
+    return torch.cat([_prefill_rows(target, cache.slice_rows(a, b), prompts[a:b], sampler.select(list(range(a, b))),
+                                    draft, draft_cache.slice_rows(a, b) if draft_cache is not None else None)
+                      for a, b in groups])
+
+
+def _prefill_rows(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
+                  draft: DraftModel | None, draft_cache: KVCache | None) -> torch.Tensor:
+    device = target.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = torch.tensor(p, device=device)
+    capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
+    out = target(ids, cache, num_new=lengths, capture=capture, logits_at=(lengths - 1).unsqueeze(1))
+    if draft is not None:
+        assert draft_cache is not None and out.features is not None
+        draft.append_context(draft_cache, out.features, lengths)
+    return sample(out.logits, sampler)[0][:, 0]
+
+
+# -- propose ------------------------------------------------------------------------
+
+def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
+            sampler: RowSampler, num_drafts: int | None = None, *, stop_below: float = 0.0,
+            confidence_map: ConfidenceMap | None = None) -> Proposal:
+    """One draft forward for the whole block, then sampling of g drafts.
+
+    num_drafts: draft a shorter block than trained (g < the draft's window; the
+    block holds the anchor and g - 1 or g mask slots by layout), which costs less
+    per row. confidence_map: what the policy plans with, from the head's raw
+    confidences (online recalibration); the proposal carries both. stop_below
+    (DSpark with a confidence head): stop drafting at the first slot where every
+    row's prefix survival, as the policy computes it, is below it (the policy
+    never admits such slots, so they need no logits); the proposal is then
+    shorter than g."""
+    cfg = draft.config
+    g = cfg.num_drafts if num_drafts is None else num_drafts
+    if not 1 <= g <= cfg.num_drafts:
+        raise ValueError(f"num_drafts must be in 1..{cfg.num_drafts}, got {g}")
+    block = torch.full((anchors.shape[0], cfg.first_draft_slot + g), cfg.mask_token_id, dtype=torch.long,
+                       device=anchors.device)
+    block[:, 0] = anchors
+    hidden = draft.block_hidden(block, draft_cache, target.embed_tokens)
+    slots = hidden[:, cfg.first_draft_slot:cfg.first_draft_slot + g]
+    if draft.markov_head is None:
+        base = target.lm_head(slots.to(target.dtype)).float()
+        tokens, probs = (argmax_last(base), None) if sampler.all_greedy else sample(base, sampler)
+        prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
+        raw = draft.confidence(slots, prev) if draft.confidence_head is not None else None
+        return _proposal(tokens, probs, raw, confidence_map)
+    early_stop = stop_below > 0 and draft.confidence_head is not None
+    tokens, probs, raw = _markov_drafts(draft, target, slots, anchors, sampler, g,
+                                        stop_below if early_stop else 0.0, confidence_map)
+    if raw is None and draft.confidence_head is not None:
+        prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
+        raw = draft.confidence(slots, prev)
+    return _proposal(tokens, probs, raw, confidence_map)
+
+
+def _proposal(tokens: torch.Tensor, probs: torch.Tensor | None, raw: torch.Tensor | None,
+              confidence_map: ConfidenceMap | None) -> Proposal:
+    planned = raw if raw is None or confidence_map is None else confidence_map(raw, 0)
+    return Proposal(tokens, probs, planned, raw)
+
+
+def _markov_drafts(draft: DraftModel, target: TargetModel, slots: torch.Tensor, anchors: torch.Tensor,
+                   sampler: RowSampler, g: int, stop_below: float, confidence_map: ConfidenceMap | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Semi-autoregressive drafting: slot k's logits depend on the token drafted at k-1.
+    Returns (tokens, probs, raw confidences when computed slot by slot for the early stop)."""
+    rows = anchors.shape[0]
+    early_stop = stop_below > 0
+    # lm_head in chunks of ~64 rows x slots: one GEMM when all slots are needed anyway,
+    # several when drafting may stop early (their logits are then never computed).
+    chunk = max(1, 64 // rows) if early_stop else g
+    head = draft.markov_head
+    assert head is not None
+    state = head.initial_state(rows, slots)
+    survival = torch.ones(rows, device=anchors.device)
+    terms = draft.confidence_terms(slots) if early_stop else None
+    prev_tok, toks, dists, confs = anchors, [], [], []
+    for k in range(g):
+        if k % chunk == 0:
+            base = target.lm_head(slots[:, k:k + chunk].to(target.dtype)).float()
+        logits_k, state = head.add_to(base[:, k % chunk], prev_tok, slots[:, k], state)
+        if sampler.all_greedy:  # no distribution needed: the greedy rule compares tokens only
+            tok = argmax_last(logits_k, keepdim=True)
+        else:
+            tok, dist = sample(logits_k.unsqueeze(1), sampler)
+            dists.append(dist)
+        if terms is not None:
+            conf = draft.confidence_from(terms[0][:, k:k + 1], terms[1], prev_tok.unsqueeze(1), first_slot=k)
+            confs.append(conf)
+            planned = conf if confidence_map is None else confidence_map(conf, k)
+            survival = survival * planned[:, 0]
+        prev_tok = tok[:, 0]
+        toks.append(tok)
+        if early_stop and k + 1 < g and bool((survival < stop_below).all()):
+            break
+    probs = torch.cat(dists, 1) if dists else None
+    return torch.cat(toks, 1), probs, torch.cat(confs, 1) if confs else None
+
+
+# -- verify and commit --------------------------------------------------------------
+
+def verify_and_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor, proposal: Proposal | None,
+                      sampler: RowSampler, *, num_drafts: torch.Tensor | None = None,
+                      capture: tuple[int, ...] = (), rule: str = "rejection", packed: bool = False,
+                      forced: torch.Tensor | None = None) -> tuple[Verdict, torch.Tensor | None]:
+    """Target forward over [anchor, drafts]; keep the accepted prefix in the target cache.
+
+    num_drafts [R]: drafts each row verifies (default all; the rest count as not
+    proposed). packed: one ragged forward (`TargetModel.forward_packed`) in which
+    row r runs only its anchor and first num_drafts[r] drafts (the engine);
+    otherwise a dense [R, g+1] forward (or the one-token decode step for AR).
+    forced [R]: impose the accepted counts (the bench's simulated acceptance: the
+    rule still runs for its cost, its verdict is discarded, not lossless).
+    Returns the verdict and, with `capture`, the target features of each row's new
+    tokens [R, W, F] (row r's first accepted[r] + 1 are the kept ones): the
+    draft's next context."""
+    r = anchors.shape[0]
+    start = cache.lengths.clone()
+    drafts = proposal.tokens if proposal is not None else anchors.new_zeros(r, 0)
+    probs = proposal.probs if proposal is not None else None
+    if packed:
+        g = int(num_drafts.max()) if num_drafts is not None and r else drafts.shape[1]
+        drafts, probs = drafts[:, :g], None if probs is None else probs[:, :g]
+        counts = num_drafts if num_drafts is not None else torch.full_like(anchors, g)
+        logits, features = _packed_forward(target, cache, anchors, drafts, counts, capture)
+    elif proposal is None and not capture:
+        logits, features = target.decode_step(anchors, cache), None
+    else:
+        out = target(torch.cat([anchors.unsqueeze(1), drafts], dim=1), cache, capture=capture)
+        logits, features = out.logits, out.features
+    verdict = verify(logits, drafts, probs, sampler, num_drafts, rule)
+    if forced is not None:
+        rows = torch.arange(r, device=logits.device)
+        verdict = Verdict(forced, sample(logits[rows, forced].unsqueeze(1), sampler)[0][:, 0])
+    # Keep anchor + accepted drafts; the bonus gets its KV when it is the next anchor.
+    cache.truncate(start + verdict.accepted + 1)
+    return verdict, features
+
+
+def _packed_forward(target: TargetModel, cache: KVCache, anchors: torch.Tensor, drafts: torch.Tensor,
+                    counts: torch.Tensor, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row r runs [anchor, d_1..d_counts[r]] in one ragged forward; back to [R, g+1, V]
+    (slots past a row's own count stay zero: not proposed, never read) and the
+    features to [R, g+1, F] the same way."""
+    r, g = drafts.shape
+    seq = torch.cat([anchors.unsqueeze(1), drafts], dim=1)
+    valid = torch.arange(g + 1, device=seq.device).unsqueeze(0) <= counts.unsqueeze(1)
+    out = target.forward_packed(seq[valid], counts + 1, cache, capture=capture)
+    logits = out.logits.new_zeros(r, g + 1, out.logits.shape[-1])
+    logits[valid] = out.logits[0]
+    if out.features is None:
+        return logits, None
+    features = out.features.new_zeros(r, g + 1, out.features.shape[-1])
+    features[valid] = out.features[0]
+    return logits, features
+
+
+# -- the round ----------------------------------------------------------------------
+
+class DraftContext(Protocol):
+    """Where committed tokens' target features become draft context K/V."""
+
+    def flush(self, rows: int) -> None:
+        """The first `rows` rows are about to draft: their context must be complete."""
+
+    def add(self, features: torch.Tensor, counts: torch.Tensor) -> None:
+        """Row r (of the first features.shape[0]) committed the tokens of its first counts[r] features."""
+
+
+class DirectContext:
+    """Appends every round's features to the draft cache at once (`generate`)."""
+
+    def __init__(self, draft: DraftModel, cache: KVCache) -> None:
+        self.draft, self.cache = draft, cache
+
+    def flush(self, rows: int) -> None:
+        pass
+
+    def add(self, features: torch.Tensor, counts: torch.Tensor) -> None:
+        self.draft.append_context(self.cache, features, counts)
+
+
+class RoundPolicy(Protocol):
+    """Drafting decisions of a round (decoding/policy.py): who drafts how long a block,
+    how many drafts each row verifies, and what the round taught."""
+
+    def decide(self, rows: int) -> tuple[int, int]:
+        """(first k rows that draft, block length in drafts); (0, 0): an AR round."""
+
+    def stop_below(self, rows: int) -> float:
+        """Early-stop floor for drafting `rows` rows (0: draft every slot)."""
+
+    def confidence_map(self) -> ConfidenceMap | None:
+        """Raw confidences -> the ones `plan` uses (None: as the head says)."""
+
+    def plan(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
+        """Drafts each of `rows` rows verifies [rows] (None: every row its whole proposal)."""
+
+    def observe(self, outcome: "RoundOutcome", proposal: Proposal | None, lens: torch.Tensor) -> None:
+        """The finished round."""
+
+
+@dataclass
+class RoundOutcome:
+    """What one round did, per batch row."""
+
+    drafted: list[list[int]]      # tokens proposed to each row (empty for rows that did not draft)
+    verified: list[int]           # drafts each row verified
+    accepted: list[int]           # drafts each row accepted
+    bonus: list[int]              # the token sampled after each row's accepted prefix (the next anchor)
+    raw_confidence: torch.Tensor | None   # [drafting rows, g] the head's confidences (None without a head)
+    drafting_rows: int            # the first rows drafted this round
+    block: int                    # the drafted block's length in drafts (0: AR round)
+    draft_s: float = 0.0
+    plan_s: float = 0.0
+    verify_s: float = 0.0
+    wall_s: float = 0.0
+
+    def new_tokens(self, row: int) -> list[int]:
+        """Row's committed tokens this round: accepted drafts, then the bonus."""
+        return self.drafted[row][:self.accepted[row]] + [self.bonus[row]]
+
+
+@dataclass
+class RoundInputs:
+    """The running rows of a batch: models, caches, anchors and sampler (rows in cache order)."""
+
+    target: TargetModel
+    draft: DraftModel | None
+    cache: KVCache
+    draft_cache: KVCache | None
+    context: DraftContext | None
+    anchors: torch.Tensor
+    sampler: RowSampler
+
+
+def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "rejection", packed: bool = False,
+                      forced: torch.Tensor | None = None) -> RoundOutcome:
+    """Draft (the first k rows, one draft forward), plan, verify (one target forward),
+    commit to both caches, and let the policy observe the round."""
+    t_start = time.perf_counter()
+    draft, target, anchors, sampler = batch.draft, batch.target, batch.anchors, batch.sampler
+    r = anchors.shape[0]
+    k, block = policy.decide(r) if draft is not None else (0, 0)
+    proposal = None
+    if k:
+        assert batch.context is not None and batch.draft_cache is not None
+        batch.context.flush(k)
+        sub = sampler if k == r else sampler.select(list(range(k)))
+        cache = batch.draft_cache if k == r else batch.draft_cache.slice_rows(0, k)
+        proposal = propose(draft, target, cache, anchors[:k], sub, num_drafts=block,
+                           stop_below=policy.stop_below(k), confidence_map=policy.confidence_map())
+    t_drafted = time.perf_counter()
+    lens = policy.plan(proposal, r, block)
+    if proposal is not None and k < r:
+        proposal = pad_rows(proposal, r, None if sampler.all_greedy else target.config.vocab_size)
+    t_planned = time.perf_counter()
+    capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
+    verdict, features = verify_and_commit(target, batch.cache, anchors, proposal, sampler, num_drafts=lens,
+                                          capture=capture, rule=rule, packed=packed, forced=forced)
+    if features is not None:
+        assert batch.context is not None
+        batch.context.add(features, verdict.accepted + 1)
+    t_verified = time.perf_counter()
+    accepted = verdict.accepted.tolist()
+    drafted = proposal.tokens.tolist() if proposal is not None else [[] for _ in range(r)]
+    verified = lens.tolist() if lens is not None else [len(d) for d in drafted]
+    outcome = RoundOutcome(drafted, verified, accepted, verdict.bonus.tolist(),
+                           proposal.raw_confidence[:k] if proposal is not None and proposal.raw_confidence
+                           is not None else None, k, block if k else 0,
+                           draft_s=t_drafted - t_start, plan_s=t_planned - t_drafted,
+                           verify_s=t_verified - t_planned)
+    batch.anchors = verdict.bonus
+    outcome.wall_s = time.perf_counter() - t_start
+    policy.observe(outcome, proposal, lens if lens is not None else torch.tensor(verified))
+    return outcome
+
+
+def pad_rows(proposal: Proposal, rows: int, vocab: int | None = None) -> Proposal:
+    """A proposal for the first k rows, zero-padded to `rows` (the others verify no drafts).
+
+    vocab: the batch samples somewhere, so rejection sampling needs every drafted
+    row's proposal distribution; greedy drafts (probs None) were drawn from a point
+    mass, which is what they get."""
+    k, g = proposal.tokens.shape
+    tokens = torch.cat([proposal.tokens, proposal.tokens.new_zeros(rows - k, g)])
+    probs = proposal.probs
+    if probs is None and vocab is not None:
+        probs = torch.nn.functional.one_hot(proposal.tokens, vocab).float()
+    if probs is not None:
+        probs = torch.cat([probs, probs.new_zeros(rows - k, *probs.shape[1:])])
+    return Proposal(tokens, probs, None, proposal.raw_confidence)

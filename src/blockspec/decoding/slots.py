@@ -1,0 +1,152 @@
+"""The engine's slot pool: preallocated target and draft KV caches with one row
+per running request, and the draft context each row has not yet absorbed.
+
+Running requests always occupy rows 0..R-1 (a leaving request's row is
+refilled by moving the last row), so the running batch is a zero-copy slice
+of the pool. Each slot holds max_model_len positions plus a block margin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.errors import BlockspecError
+from blockspec.models.draft import DraftModel
+from blockspec.models.kv_cache import KVCache
+from blockspec.models.target import TargetModel
+
+
+class PendingContext:
+    """Target features of tokens each row has committed that the draft has not yet
+    turned into context K/V (the engine's `DraftContext`).
+
+    A gated engine runs stretches of AR rounds; projecting each round's one token per
+    row into every draft layer's K/V costs a few small GEMMs and KV writes per round.
+    Rows buffer the features here instead and hand them to the draft in one batch:
+    right before they draft, or for everyone when a buffer would overflow."""
+
+    def __init__(self, draft: DraftModel, cache: KVCache, capacity: int) -> None:
+        self.draft, self.cache, self.capacity = draft, cache, capacity
+        self.window = draft.config.num_drafts
+        self.buf: torch.Tensor | None = None     # [rows, capacity, F], allocated on first use
+        self.lengths = torch.zeros(cache.rows, dtype=torch.long)
+
+    def add(self, features: torch.Tensor, counts: torch.Tensor) -> None:
+        """Row r (of the first features.shape[0]) appends its first counts[r] features."""
+        r, w, f = features.shape
+        if self.buf is None:
+            self.buf = features.new_zeros(self.cache.rows, self.capacity, f)
+        counts = counts.to("cpu")
+        if int((self.lengths[:r] + counts).max()) > self.capacity:
+            raise BlockspecError("pending draft context overflow (flush before adding)")  # engine invariant
+        keep = torch.arange(w).unsqueeze(0) < counts.unsqueeze(1)
+        row_idx = torch.arange(r).unsqueeze(1).expand(r, w)[keep]
+        col_idx = (self.lengths[:r].unsqueeze(1) + torch.arange(w))[keep]
+        self.buf[row_idx.to(features.device), col_idx.to(features.device)] = features[keep.to(features.device)]
+        self.lengths[:r] += counts
+        if self.room(r) <= self.window:   # the next round could overflow it
+            self.flush(r)
+
+    def room(self, rows: int) -> int:
+        return self.capacity - int(self.lengths[:rows].max()) if rows else self.capacity
+
+    def flush(self, rows: int, start: int = 0) -> None:
+        """Append rows start..rows-1's buffered features to their draft context."""
+        n = int(self.lengths[start:rows].max()) if rows > start else 0
+        if n == 0:
+            return
+        assert self.buf is not None
+        self.draft.append_context(self.cache.slice_rows(start, rows), self.buf[start:rows, :n],
+                                  self.lengths[start:rows].to(self.cache.lengths.device))
+        self.lengths[start:rows] = 0
+
+    def clear(self, start: int, stop: int) -> None:
+        self.lengths[start:stop] = 0
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        if not src:
+            return
+        if self.buf is not None:
+            n = int(self.lengths[src].max())
+            self.buf[dst, :n] = self.buf[src, :n]
+        self.lengths[dst] = self.lengths[src]
+        self.lengths[src] = 0
+
+
+def cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: int) -> int:
+    """K and V of `layers` layers for one row of `positions` positions."""
+    return 2 * layers * kv_heads * positions * head_dim * torch.finfo(dtype).bits // 8
+
+
+class SlotPool:
+    """`rows` KV slots of `max_model_len` positions for the target (and the draft).
+
+    rows = min(max_running, slots that fit in kv_memory_gb GiB of target + draft KV)."""
+
+    def __init__(self, target: TargetModel, draft: DraftModel | None, max_model_len: int, max_running: int,
+                 kv_memory_gb: float | None) -> None:
+        if not isinstance(max_running, int) or max_running < 1:
+            raise BlockspecError(f"max_running must be a positive integer, got {max_running!r}")
+        self.target, self.draft = target, draft
+        margin = draft.config.block_size + 2 if draft is not None else 2
+        self.slot_capacity = max_model_len + margin
+        # Buffered draft context: room for two rounds' tokens (rows flush before they
+        # draft); the draft cache gets that much extra room for a flush's padding.
+        self.pending_capacity = max(32, 2 * (draft.config.block_size + 1)) if draft is not None else 0
+        self.row_bytes = self._row_bytes()
+        self.rows = self._fit(max_running, kv_memory_gb)
+        with torch.inference_mode():  # inference tensors: every later write happens in inference mode
+            self.cache = target.new_cache(self.rows, self.slot_capacity)
+            self.draft_cache = (draft.new_cache(self.rows, self.slot_capacity + self.pending_capacity)
+                                if draft is not None else None)
+        self.pending = (PendingContext(draft, self.draft_cache, self.pending_capacity)
+                        if draft is not None and self.draft_cache is not None else None)
+
+    def _row_bytes(self) -> int:
+        """Bytes of one slot: K and V of every target (and draft) layer, and the pending context."""
+        tc = self.target.config
+        total = cache_bytes(tc.num_hidden_layers, tc.num_key_value_heads, tc.head_dim, self.target.dtype,
+                            self.slot_capacity)
+        if self.draft is not None:
+            dc = self.draft.config
+            total += cache_bytes(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim, self.draft.dtype,
+                                 self.slot_capacity + self.pending_capacity)
+            total += self.pending_capacity * len(dc.target_layer_ids) * dc.hidden_size * 4
+        return total
+
+    def _fit(self, max_running: int, kv_memory_gb: float | None) -> int:
+        if kv_memory_gb is None:
+            return max_running
+        fit = int(kv_memory_gb * 2**30 // self.row_bytes)
+        if fit < 1:
+            raise BlockspecError(
+                f"kv_memory_gb={kv_memory_gb} holds no request slot: one slot of {self.slot_capacity} positions "
+                f"needs {self.row_bytes / 2**30:.4f} GiB; raise kv_memory_gb or lower max_model_len")
+        return min(max_running, fit)
+
+    def views(self, start: int, stop: int) -> tuple[KVCache, KVCache | None]:
+        """Rows start..stop-1 of both caches, sharing storage with the pool."""
+        draft_view = self.draft_cache.slice_rows(start, stop) if self.draft_cache is not None else None
+        return self.cache.slice_rows(start, stop), draft_view
+
+    def reset(self, start: int, stop: int) -> None:
+        """Empty rows start..stop-1 for new requests."""
+        view, draft_view = self.views(start, stop)
+        view.lengths.zero_()
+        if draft_view is not None:
+            draft_view.lengths.zero_()
+
+    def compact(self, running: int, done: list[int]) -> list[tuple[int, int]]:
+        """Free the rows in `done` (of the first `running`) and keep live rows contiguous:
+        the last live rows move into the holes (only their valid slots are copied).
+        Returns the (source, destination) row moves."""
+        live = running - len(done)
+        holes = [row for row in done if row < live]
+        finished = set(done)
+        movers = [row for row in range(live, running) if row not in finished]
+        self.cache.move_rows(movers, holes)
+        if self.draft_cache is not None and self.pending is not None:
+            self.draft_cache.move_rows(movers, holes)
+            self.pending.move_rows(movers, holes)
+            self.pending.clear(live, running)
+        return list(zip(movers, holes))
