@@ -16,7 +16,7 @@ import torch
 
 from blockspec import Engine, SamplingParams, Tokenizer, embedded, load_draft, load_target
 from blockspec.bench.datasets import humaneval
-from blockspec.decoding.scheduler import profile_cost_table
+from blockspec.decoding.cost_table import profile_cost_table
 
 
 class NeverDraft:

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from blockspec import Engine, SamplingParams, Tokenizer, embedded, load_draft, load_target
-from blockspec.decoding.scheduler import CostTable, profile_cost_table
+from blockspec.bench.datasets import humaneval  # the bench's prompts: no bare trailing newline token
+from blockspec.decoding.cost_table import CostTable, profile_cost_table
 
 
 def prompts_humaneval(tok: Tokenizer) -> list[list[int]]:
-    from blockspec.bench.datasets import humaneval  # the bench's prompts: no bare trailing newline token
     return [tok.encode(p.text) for p in humaneval()]
 
 

@@ -1,13 +1,13 @@
-"""Per-round cost of DFlash block speculation on one CUDA GPU (design section 1).
+"""Per-round cost of DFlash block speculation on one CUDA GPU (docs/design.md section 1).
 
 A random-weight Qwen3-8B-shaped target (bf16) and a 5-layer DFlash draft
 (z-lab layout, block 16 = anchor + 15 drafts, target layers [1, 9, 17, 25, 33])
 are built in memory (no checkpoint files). With C tokens of context cached, it
 times, at batch 1 and 16:
 
-- T_ar:     one AR step            (`speculate.verify_and_commit`, no drafts)
-- T_draft:  one draft round        (`speculate.propose`: one block forward + sampling)
-- T_verify: one verify + commit    (`speculate.verify_and_commit` over anchor + 15 drafts)
+- T_ar:     one AR step            (`round.verify_and_commit`, no drafts)
+- T_draft:  one draft round        (`round.propose`: one block forward + sampling)
+- T_verify: one verify + commit    (`round.verify_and_commit` over anchor + 15 drafts)
 
 each as the median of CUDA-event timings after warm-up, caches rolled back
 after every call so every sample sees the same context. Random weights accept
@@ -35,7 +35,7 @@ QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, interme
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                 tie_word_embeddings=False, eos_token_id=151645)
-# The published z-lab DFlash draft for Qwen3-8B (design section 6), minus the weights.
+# The published z-lab DFlash draft for Qwen3-8B (docs/design.md section 6), minus the weights.
 DFLASH_8B = dict(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=16,
                  dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
                  num_target_layers=36, num_hidden_layers=5, hidden_size=4096, intermediate_size=12288,
@@ -148,7 +148,7 @@ def measure_batch(target, draft, batch: int, context: int, timer: Timer) -> dict
 
     from blockspec.config import SamplingParams
     from blockspec.decoding.sampling import RowSampler
-    from blockspec.decoding.speculate import prefill, propose, verify_and_commit
+    from blockspec.decoding.round import prefill, propose, verify_and_commit
 
     device = target.device
     width = draft.config.block_size + 1
@@ -166,11 +166,16 @@ def measure_batch(target, draft, batch: int, context: int, timer: Timer) -> dict
             draft_cache.truncate(draft_base)
 
         proposal = propose(draft, target, draft_cache, anchors, sampler)
+        capture = tuple(draft.config.target_layer_ids)
+
+        def verify() -> None:  # verify, commit, and the accepted tokens' features into the draft context
+            verdict, features = verify_and_commit(target, cache, anchors, proposal, sampler, capture=capture)
+            draft.append_context(draft_cache, features, verdict.accepted + 1)
+
         out = {
             "ar": timer.median(lambda: verify_and_commit(target, cache, anchors, None, sampler), rollback),
             "draft": timer.median(lambda: propose(draft, target, draft_cache, anchors, sampler), rollback),
-            "verify": timer.median(lambda: verify_and_commit(target, cache, anchors, proposal, sampler, draft,
-                                                             draft_cache), rollback),
+            "verify": timer.median(verify, rollback),
         }
     del cache, draft_cache
     if device.type == "cuda":
@@ -179,7 +184,7 @@ def measure_batch(target, draft, batch: int, context: int, timer: Timer) -> dict
 
 
 def projected(tau: float, t: dict[str, float]) -> float:
-    """Design section 1: per-token latency (T_draft + T_verify) / tau against T_ar."""
+    """docs/design.md section 1: per-token latency (T_draft + T_verify) / tau against T_ar."""
     return tau * t["ar"] / (t["draft"] + t["verify"])
 
 

@@ -1,6 +1,5 @@
-"""The benchmark runner end to end on tiny random models, the batch-1 speculative
-loop behind calibration / simulated acceptance, the CLI hook and the GPU script's
-fail-fast path."""
+"""The benchmark end to end on tiny random models, the round observer behind calibration,
+forced (simulated) acceptance, the CLI hook and the GPU script's fail-fast path."""
 
 from __future__ import annotations
 
@@ -17,11 +16,12 @@ import torch
 
 from blockspec.bench.arms import accept_pattern
 from blockspec.bench.cli import add_bench_parser
-from blockspec.bench.loop import speculative_loop
 from blockspec.bench.measure import collect_calibration, throughput_vs_concurrency
 from blockspec.bench.report import render_markdown
 from blockspec.bench.run import run_bench
 from blockspec.config import SamplingParams
+from blockspec.decoding.acceptance import RoundRecorder
+from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import save_draft
@@ -152,26 +152,31 @@ def test_accept_pattern_mean_and_validation():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_speculative_loop_matches_generate(kind, temperature):
+def test_round_recorder_sees_every_round_of_generate(kind, temperature):
     target = make_target()
     draft = (make_draft(target, block_size=4) if kind == "dflash" else
              make_draft(target, layout="deepspec", block_size=3, markov_rank=4, confidence=True))
     params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=3)
-    loop = speculative_loop(target, draft, [1, 2, 3, 4], params)
+    recorder = RoundRecorder()
+    out = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind, observer=recorder)
+    loop = out.completions[0]
     ref = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind).completions[0]
     assert loop.tokens == ref.tokens
     assert loop.stats.accepted == ref.stats.accepted and loop.stats.verified == ref.stats.verified
-    assert len(loop.confidences) == (loop.stats.rounds if kind == "dspark" else 0)
-    assert loop.timing.rounds == loop.stats.rounds
+    assert [r.accepted for r in recorder.records] == loop.stats.accepted
+    assert [r.verified for r in recorder.records] == loop.stats.verified
+    assert sum(bool(r.confidences) for r in recorder.records) == (loop.stats.rounds if kind == "dspark" else 0)
+    assert out.timing.rounds == loop.stats.rounds
 
 
-def test_forced_loop_follows_the_pattern():
+def test_forced_acceptance_follows_the_pattern():
     target = make_target()
     draft = make_draft(target, block_size=5)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    loop = speculative_loop(target, draft, [5, 6, 7], params, accept=accept_pattern(3.5, 4))
-    assert loop.stats.accepted == [a for a, _ in zip(accept_pattern(3.5, 4), range(loop.stats.rounds))]
-    assert len(loop.tokens) == 20
+    out = generate(target, [[5, 6, 7]], params, draft=draft, forced_acceptance=accept_pattern(3.5, 4))
+    stats = out.completions[0].stats
+    assert stats.accepted == [a for a, _ in zip(accept_pattern(3.5, 4), range(stats.rounds))]
+    assert len(out.completions[0].tokens) == 20
 
 
 def test_calibration_needs_a_confidence_head():
@@ -193,8 +198,6 @@ def test_throughput_vs_concurrency(tmp_path):
 
 def test_throughput_vs_concurrency_with_scheduled_dspark():
     pytest.importorskip("blockspec.decoding.engine")
-    from blockspec.decoding.scheduler import CostTable
-
     target = make_target()
     dspark = make_draft(target, "deepspec", 3, markov_rank=4, confidence=True)
     table = CostTable([1, 64], [1.0, 2.0], draft_rows=[1, 2], draft_times_s=[0.1, 0.2])

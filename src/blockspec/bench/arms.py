@@ -12,7 +12,6 @@ random-weight models.  Such output is NOT lossless and is labelled so.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,22 +20,20 @@ from typing import Any
 
 import torch
 
-from blockspec.bench.loop import speculative_loop
+from blockspec.config import METHODS as GENERATE_METHODS
 from blockspec.config import SamplingParams
 from blockspec.decoding.engine import Engine
 from blockspec.decoding.generate import RequestStats, Timing, generate
-from blockspec.decoding.scheduler import CostTable, profile_cost_table
+from blockspec.decoding.cost_table import CostTable, profile_cost_table
 from blockspec.errors import BlockspecError
+from blockspec.loading import draft_kind
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
-__all__ = ["METHODS", "SPECULATIVE", "DRAFT_KEY", "RunRecord", "Runner", "Arm", "BenchSetup", "accept_pattern",
-           "build_arms"]
+__all__ = ["METHODS", "RunRecord", "Runner", "Arm", "BenchSetup", "accept_pattern", "build_arms"]
 
 
-METHODS = ("ar", "hf", "dflash", "dspark", "dspark-scheduled")
-SPECULATIVE = ("dflash", "dspark", "dspark-scheduled")
-DRAFT_KEY = {"dflash": "dflash", "dspark": "dspark", "dspark-scheduled": "dspark"}
+METHODS = (*GENERATE_METHODS, "hf", "dspark-scheduled")   # generate's methods plus the bench's own arms
 
 
 @dataclass
@@ -125,8 +122,8 @@ def _generate_runner(target: TargetModel, draft: DraftModel | None, method: str,
     return run
 
 
-def _simulated_runner(target: TargetModel, draft: DraftModel, tau: float, rule: str) -> Runner:
-    """Real draft and verify forwards, imposed acceptance (not lossless)."""
+def _simulated_runner(target: TargetModel, draft: DraftModel, method: str, tau: float, rule: str) -> Runner:
+    """`generate` with imposed acceptance: real draft and verify forwards (not lossless)."""
     g = draft.config.num_drafts
     accept_pattern(tau, g)  # raises now, not mid-benchmark
     # One pattern runs on across requests (a request's few rounds alone would round tau);
@@ -139,10 +136,12 @@ def _simulated_runner(target: TargetModel, draft: DraftModel, tau: float, rule: 
         key = (tuple(ids), params.temperature, params.seed, params.max_new_tokens)
         first = key not in starts
         start = starts.setdefault(key, consumed)
-        loop = speculative_loop(target, draft, ids, params, accept=accept_pattern(tau, g, start), rule=rule)
+        out = generate(target, [ids], params, draft=draft, method=method, rule=rule,
+                       forced_acceptance=accept_pattern(tau, g, start))
+        completion = out.completions[0]
         if first:
-            consumed += loop.stats.rounds
-        return RunRecord(len(loop.tokens), 0.0, loop.stats, loop.timing)
+            consumed += completion.stats.rounds
+        return RunRecord(len(completion.tokens), 0.0, completion.stats, out.timing)
     return run
 
 
@@ -196,17 +195,11 @@ def _hf_runner(target_dir: Path, target: TargetModel) -> Runner:
 
 
 def _resized(draft: DraftModel, block_size: int | None) -> DraftModel:
-    """`draft` running `block_size` (the trained size when None).
-
-    A shallow copy with its own config: the weights are shared (a block-size
-    sweep of an 8B-scale draft must not hold one weight copy per size), while
-    `set_block_size`, which only shortens, cannot touch the original."""
+    """`draft` running `block_size` (the trained size when None); the weights are shared (a
+    block-size sweep of an 8B-scale draft must not hold one weight copy per size)."""
     if block_size is None or block_size == draft.config.block_size:
         return draft
-    resized = copy.copy(draft)
-    resized.config = copy.deepcopy(draft.config)
-    resized.set_block_size(block_size)
-    return resized
+    return draft.with_block_size(block_size)
 
 
 def _draft_variants(draft: DraftModel, block_sizes: list[int] | None, method: str,
@@ -251,7 +244,7 @@ def build_arms(setup: BenchSetup, notes: list[str]) -> list[Arm]:
         if method == "hf":
             arms.append(Arm("hf", _hf_runner(setup.target_dir, target)))
             continue
-        drafts = variants[DRAFT_KEY[method]]
+        drafts = variants[draft_kind(method)]
         if method == "dspark-scheduled":
             arms.extend(_scheduled_arms(setup, drafts, notes))
             continue
@@ -260,7 +253,7 @@ def build_arms(setup: BenchSetup, notes: list[str]) -> list[Arm]:
                 arms.append(Arm(method, _generate_runner(target, d, method, setup.rule), d))
                 continue
             try:
-                arms.append(Arm(method, _simulated_runner(target, d, setup.simulate_accept, setup.rule), d, True))
+                arms.append(Arm(method, _simulated_runner(target, d, method, setup.simulate_accept, setup.rule), d, True))
             except BlockspecError as exc:
                 if setup.block_sizes is None or len(drafts) == 1:
                     raise

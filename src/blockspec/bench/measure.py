@@ -9,8 +9,9 @@ throughput vs concurrency (docs/design.md sections 1, 5 and 11).
 - T_draft / T_verify per round and T_ar per step come from
   :class:`~blockspec.decoding.generate.Timing` (the engine's scheduler planning
   time counts as verify time for ``dspark-scheduled``).
-- DSpark calibration: a separate, untimed batch-1 pass records each round's
-  confidences; the survival ``s_k = prod c_j`` is scored against the actual
+- DSpark calibration: a separate, untimed batch-1 `generate` pass whose round
+  observer (:class:`~blockspec.decoding.acceptance.RoundRecorder`) records each
+  round's confidences; the survival ``s_k = prod c_j`` is scored against the actual
   prefix outcomes with :func:`~blockspec.decoding.acceptance.calibration`.
 """
 
@@ -28,17 +29,22 @@ import torch
 
 from blockspec.bench import plots
 from blockspec.bench.arms import Arm, BenchSetup, RunRecord
-from blockspec.bench.loop import speculative_loop, sync
 from blockspec.config import SamplingParams
-from blockspec.decoding.acceptance import AcceptanceStats, calibration, prefix_outcomes, survival
+from blockspec.decoding.acceptance import AcceptanceStats, RoundRecorder, calibration
 from blockspec.decoding.engine import Engine
-from blockspec.decoding.generate import Timing
+from blockspec.decoding.generate import Timing, generate
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
-__all__ = ["ArmTotals", "timed_run", "measure", "warm_up", "calibrates", "collect_calibration",
+__all__ = ["sync", "rotation", "ArmTotals", "timed_run", "measure", "warm_up", "calibrates", "collect_calibration",
            "throughput_vs_concurrency"]
+
+
+def sync(device: torch.device) -> None:
+    """Wall-clock times are only meaningful once queued GPU work has finished."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def rotation(n: int, shift: int) -> list[int]:
@@ -114,18 +120,16 @@ def calibrates(arm: Arm) -> bool:
 def collect_calibration(target: TargetModel, draft: DraftModel, prompts: Sequence[list[int]],
                         params: Sequence[SamplingParams], rule: str = "rejection",
                         tick: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Calibration of the confidence head's prefix survival against actual prefix acceptance."""
+    """Calibration of the confidence head's prefix survival against actual prefix acceptance:
+    each prompt decoded alone by `generate`, its rounds recorded by a round observer."""
     if draft.confidence_head is None:
         raise BlockspecError("calibration needs a draft with a confidence head")
-    pred: list[float] = []
-    outcome: list[int] = []
+    recorder = RoundRecorder()
     for ids, p in zip(prompts, params):
-        loop = speculative_loop(target, draft, ids, p, rule=rule)
-        for conf, acc, n in zip(loop.confidences, loop.stats.accepted, loop.stats.verified):
-            pred.extend(survival(conf)[:n])
-            outcome.extend(prefix_outcomes(acc, n))
+        generate(target, [ids], p, draft=draft, rule=rule, observer=recorder)
         if tick is not None:
             tick()
+    pred, outcome = recorder.survival_outcomes()
     if not pred:
         raise BlockspecError("calibration: no verify rounds were run (every request ended at its first token)")
     return calibration(pred, outcome)

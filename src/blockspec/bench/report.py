@@ -36,7 +36,7 @@ def _per(seconds: float, count: int) -> float | None:
 
 
 def _projected(tau: float, t_ar: float | None, t_draft: float | None, t_verify: float | None) -> float | None:
-    """Design section 1: AR latency per token over (T_draft + T_verify) / tau, from per-round
+    """docs/design.md section 1: AR latency per token over (T_draft + T_verify) / tau, from per-round
     timings alone (no prefill, no Python loop outside the round)."""
     if t_ar is None or t_draft is None or t_verify is None or t_draft + t_verify <= 0:
         return None

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from blockspec.bench.arms import DRAFT_KEY, METHODS, SPECULATIVE, Arm, BenchSetup, build_arms
+from blockspec.bench.arms import METHODS, Arm, BenchSetup, build_arms
 from blockspec.bench.datasets import BenchPrompt, load_dataset
 from blockspec.bench.measure import calibrates, collect_calibration, measure, throughput_vs_concurrency, warm_up
 from blockspec.bench.report import group_plots, slug, summarize, write_outputs
-from blockspec.decoding.scheduler import profile_cost_table
+from blockspec.decoding.cost_table import profile_cost_table
 from blockspec.errors import BlockspecError
-from blockspec.loading import load_drafts
+from blockspec.loading import draft_kind, load_drafts
 from blockspec.models.checkpoint import load_target, resolve_device
 from blockspec.models.target import TargetModel
 from blockspec.models.tokenizer import Tokenizer
@@ -58,8 +58,9 @@ def _resolve_methods(methods: Sequence[str] | None, drafts: Mapping[str, Any], n
     if unknown:
         raise BlockspecError(f"unknown bench method(s) {unknown} (choose from {', '.join(METHODS)})")
     for m in methods:
-        if m in SPECULATIVE and drafts.get(DRAFT_KEY[m]) is None:
-            raise BlockspecError(f"method {m!r} needs a {DRAFT_KEY[m]} draft (--{DRAFT_KEY[m]}-draft DIR)")
+        kind = draft_kind(m)
+        if kind is not None and drafts.get(kind) is None:
+            raise BlockspecError(f"method {m!r} needs a {kind} draft (--{kind}-draft DIR)")
     if "ar" not in methods:
         notes.append("ar added: it is the baseline of every speed-up")
         methods.insert(0, "ar")

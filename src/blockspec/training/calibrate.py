@@ -1,4 +1,4 @@
-"""Slot-wise temperature scaling (STS) of the DSpark confidence head (design section 5).
+"""Slot-wise temperature scaling (STS) of the DSpark confidence head (docs/design.md section 5).
 
 Raw confidences are over-confident. On held-out rollouts we record, for every
 verified draft slot k whose predecessors were all accepted, the head's raw
@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.acceptance import calibration, prefix_outcomes
-from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.speculate import prefill, propose, verify_and_commit
+from blockspec.decoding.acceptance import RoundRecorder, calibration, prefix_outcomes
+from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
@@ -47,37 +46,30 @@ class Rollouts:
         return calibration(preds, outcomes)
 
 
-@torch.inference_mode()
 def collect_rollouts(target: TargetModel, draft: DraftModel, prompts: list[list[int]],
                      params: SamplingParams) -> Rollouts:
-    """Run full-window speculative decoding and record every round's confidences and outcome."""
+    """Full-window speculative decoding of `prompts` (`generate`, which stops at EOS or
+    max_new_tokens) with the draft's raw confidences; every round's logits and outcome recorded."""
     if draft.confidence_head is None:
         raise BlockspecError("calibration needs a draft with a confidence head")
-    saved, draft.config.confidence_temperatures = draft.config.confidence_temperatures, None
+    draft = draft.with_config(replace(draft.config, confidence_temperatures=None))  # raw confidences
+    recorder = RoundRecorder()
+    generate(target, prompts, params, draft=draft, method="dspark", observer=recorder)
     g = draft.config.num_drafts
     out = Rollouts([[] for _ in range(g)], [[] for _ in range(g)])
-    try:
-        for prompt in prompts:
-            sampler = RowSampler.from_params([params])
-            capacity = len(prompt) + params.max_new_tokens + 2 * draft.config.block_size + 2
-            cache, dcache = target.new_cache(1, capacity), draft.new_cache(1, capacity + draft.config.block_size)
-            anchors = prefill(target, cache, [prompt], sampler, draft, dcache)
-            produced = 1
-            while produced < params.max_new_tokens:
-                proposal = propose(draft, target, dcache, anchors, sampler)
-                conf = proposal.confidence[0].double().clamp(1e-12, 1 - 1e-12)
-                verdict = verify_and_commit(target, cache, anchors, proposal, sampler, draft, dcache)
-                a = int(verdict.accepted[0])
-                for k in range(min(a + 1, g)):  # slot k was reached: all before it accepted
-                    out.logits[k].append(float(torch.log(conf[k] / (1 - conf[k]))))
-                    out.outcomes[k].append(int(a > k))
-                out.round_logits.append(torch.log(conf / (1 - conf)).tolist())
-                out.accepted.append(a)
-                produced += a + 1
-                anchors = verdict.bonus
-    finally:
-        draft.config.confidence_temperatures = saved
+    for r in sorted(recorder.records, key=lambda r: r.request):   # prompt by prompt, rounds in order
+        z = [_logit(c) for c in r.confidences[:r.verified]]
+        for k in range(min(r.accepted + 1, r.verified)):  # slot k was reached: all before it accepted
+            out.logits[k].append(z[k])
+            out.outcomes[k].append(int(r.accepted > k))
+        out.round_logits.append(z)
+        out.accepted.append(r.accepted)
     return out
+
+
+def _logit(confidence: float) -> float:
+    c = min(max(confidence, 1e-12), 1 - 1e-12)
+    return math.log(c / (1 - c))
 
 
 def bce(logits: torch.Tensor, outcomes: torch.Tensor, temperature: float) -> float:
