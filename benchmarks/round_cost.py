@@ -23,9 +23,7 @@ from blockspec.models.draft import DraftModel
 
 def build_draft(target, path: str | None, block: int) -> DraftModel:
     if path:
-        draft = load_draft(path, target=target)
-        draft.set_block_size(block)
-        return draft
+        return load_draft(path, target=target).with_block_size(block)
     tc = target.config  # weights do not change the timing: a random draft of the shipped shape
     cfg = DraftConfig(layout="zlab", block_size=block, mask_token_id=2, target_layer_ids=[1, 4, 6],
                       num_target_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size,

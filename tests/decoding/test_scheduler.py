@@ -403,8 +403,6 @@ def test_confidence_calibration_learns_from_rows_at_risk():
 def test_propose_a_shorter_block_equals_a_draft_run_at_that_block_size(layout):
     """propose(num_drafts=g) drafts the block a draft set to g drafts would: the anchor and
     the mask slots of g drafts only (a cheaper forward), not a cut of the full block."""
-    import copy
-
     from blockspec.config import SamplingParams
     from blockspec.decoding.sampling import RowSampler
     from blockspec.decoding.round import propose
@@ -413,8 +411,7 @@ def test_propose_a_shorter_block_equals_a_draft_run_at_that_block_size(layout):
     target = make_target()
     draft = make_draft(target, layout, 6, markov_rank=4 if layout == "deepspec" else 0,
                        confidence=layout == "deepspec")
-    short = copy.deepcopy(draft)
-    short.set_block_size(3 if layout == "zlab" else 2)          # 2 drafts either way
+    short = draft.with_block_size(3 if layout == "zlab" else 2)  # 2 drafts either way
     sampler = RowSampler.from_params([SamplingParams()] * 2)
     anchors = torch.tensor([5, 9])
     feats = torch.randn(2, 7, len(draft.config.target_layer_ids) * draft.config.hidden_size)

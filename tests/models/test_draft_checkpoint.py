@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -110,7 +111,39 @@ def test_wrong_tensor_shapes_refused(tmp_path, target):
 
 def test_shorter_block_at_inference(target):
     draft = make_draft(target, "zlab", 8)
-    draft.set_block_size(4)
+    draft = draft.with_block_size(4)
     assert draft.config.num_drafts == 3
     with pytest.raises(BlockspecError, match="exceeds"):
-        draft.set_block_size(16)
+        draft.with_block_size(16)
+
+
+def test_shorter_block_is_a_new_draft_sharing_the_weights(target):
+    draft = make_draft(target, "deepspec", 5, markov_rank=4, confidence=True)
+    draft = draft.with_config(dataclasses.replace(draft.config, confidence_temperatures=[0.5, 1.0, 2.0, 1.5, 0.8]))
+    short = draft.with_block_size(3)
+    assert short is not draft and short.config.block_size == 3 and draft.config.block_size == 5
+    assert short.config.confidence_temperatures == [0.5, 1.0, 2.0]
+    assert draft.config.confidence_temperatures == [0.5, 1.0, 2.0, 1.5, 0.8]
+    assert all(a is b for a, b in zip(short.parameters(), draft.parameters()))
+    assert len(list(short.parameters())) == len(list(draft.parameters()))
+    with pytest.raises(BlockspecError, match="too small"):
+        make_draft(target, "zlab", 4).with_block_size(1)
+    with pytest.raises(BlockspecError, match="only block_size"):
+        draft.with_config(dataclasses.replace(draft.config, markov_rank=8))
+
+
+def test_training_context_equals_the_cached_block(target):
+    """The draft's training forward (explicit context K/V, all visible) gives the hidden
+    states of the inference path (context in the cache, then the block)."""
+    draft = make_draft(target, "zlab", 4, layers=2)
+    torch.manual_seed(0)
+    t, s = 6, draft.config.block_size
+    feats = torch.randn(1, t, len(draft.config.target_layer_ids) * draft.config.hidden_size)
+    block = torch.tensor([[5] + [draft.config.mask_token_id] * (s - 1)])
+    with torch.no_grad():
+        want = draft(feats, block, torch.arange(t, t + s).unsqueeze(0), torch.ones(1, 1, s, t + s, dtype=torch.bool),
+                     target.embed_tokens)
+        cache = draft.new_cache(1, 16)
+        draft.append_context(cache, feats, t)
+        got = draft.block_hidden(block, cache, target.embed_tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

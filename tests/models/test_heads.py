@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from blockspec.models.draft import DraftModel
 from blockspec.models.heads import MarkovHead
+from conftest import make_draft, make_target
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
@@ -30,16 +34,13 @@ def test_split_confidence_equals_the_heads_projection(with_markov):
     """Drafting computes the confidence logit as a hidden-state part plus a looked-up
     previous-token part; it equals the head's own projection of [h; w1[prev]], slot by
     slot as for the whole block, with per-slot temperatures."""
-    from blockspec.models.draft import DraftModel
-    from conftest import make_draft, make_target
-
     target = make_target()
     draft: DraftModel = make_draft(target, "deepspec", 5, markov_rank=4, confidence=True)
     if not with_markov:   # a head over the hidden state alone (confidence_head_with_markov false)
         draft.confidence_head.proj = torch.nn.Linear(draft.config.hidden_size, 1)
     torch.manual_seed(3)
     torch.nn.init.normal_(draft.confidence_head.proj.weight)
-    draft.config.confidence_temperatures = [0.5, 1.0, 2.0, 1.5, 0.8]
+    draft = draft.with_config(replace(draft.config, confidence_temperatures=[0.5, 1.0, 2.0, 1.5, 0.8]))
     h, prev = torch.randn(3, 5, draft.config.hidden_size), torch.randint(0, target.config.vocab_size, (3, 5))
     embed = draft.markov_head.markov_w1(prev) if with_markov else None
     temps = torch.tensor(draft.config.confidence_temperatures)

@@ -149,3 +149,25 @@ def test_compiled_decode_matches_eager_greedy():
     compiled = generate(target, prompts, params, compile=True)
     assert target.decode_compiled
     assert [c.tokens for c in compiled.completions] == [c.tokens for c in eager.completions]
+
+
+def test_packed_append_equals_cache_free_forward(target):
+    """Every path of the one attention body agrees: ragged rows appended packed (some rows
+    adding nothing) give each row's logits and captured features of a cache-free causal
+    forward over its whole sequence."""
+    torch.manual_seed(0)
+    vocab = target.config.vocab_size
+    seqs = [torch.randint(0, vocab, (n,)) for n in (9, 6, 7)]
+    prefix, counts = torch.tensor([6, 5, 2]), torch.tensor([3, 0, 5])
+    cache = target.new_cache(3, 32)
+    with torch.no_grad():
+        target(torch.stack([s[:6] for s in seqs]), cache, num_new=prefix)   # right-padded rows
+        tokens = torch.cat([s[p:p + c] for s, p, c in zip(seqs, prefix, counts)])
+        out = target.forward_packed(tokens, counts, cache, capture=(1, 2))
+        assert torch.equal(cache.lengths, prefix + counts)
+        offset = 0
+        for s, p, c in zip(seqs, prefix.tolist(), counts.tolist()):
+            ref = target(s[:p + c].unsqueeze(0), capture=(1, 2))
+            torch.testing.assert_close(out.logits[0, offset:offset + c], ref.logits[0, p:], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.features[0, offset:offset + c], ref.features[0, p:], rtol=1e-5, atol=1e-5)
+            offset += c

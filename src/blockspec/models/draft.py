@@ -1,4 +1,4 @@
-"""The DFlash draft (design section 3), with optional DSpark heads.
+"""The DFlash draft (docs/design.md section 3), with optional DSpark heads.
 
 Per round: the target features of newly committed positions become K/V in
 every draft layer's cache (`append_context`), then the block
@@ -10,45 +10,35 @@ context append simply overwrites them.
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockspec.config import DraftConfig
-from blockspec.models.kv_cache import KVCache
 from blockspec.errors import BlockspecError
 from blockspec.models.heads import ConfidenceHead, MarkovHead
-from blockspec.models.layers import Attention, FusedLinears, Linear, RMSNorm, RotaryEmbedding, SwiGLU, attend
+from blockspec.models.kv_cache import KVCache
+from blockspec.models.layers import Attention, FusedLinears, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig) -> None:
+    def __init__(self, cfg: DraftConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                   cfg.head_dim, False, False, True, cfg.rms_norm_eps)
+                                   cfg.head_dim, False, False, True, cfg.rms_norm_eps, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                context: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: tuple[KVCache, int, torch.Tensor, int] | None = None) -> torch.Tensor:
-        """Block tokens h attend to context K/V plus the block's own K/V.
-
-        context: explicit (k, v) [B, Hkv, S, D] placed before the block (training);
-        cache: (cache, layer, slots, upto): the block K/V are written at `slots`
-        right after each row's context and attention reads cache[:upto]."""
-        x = self.input_layernorm(h)
-        attn = self.self_attn
-        q, k, v = attn.project_qkv(x, cos, sin)
-        if cache is not None:
-            kv_cache, layer, slots, upto = cache
-            kv_cache.write(layer, k, v, slots)
-            k, v = kv_cache.view(layer, upto)
-        elif context is not None:
-            k = torch.cat([context[0], k], dim=2)
-            v = torch.cat([context[1], v], dim=2)
-        h = h + attn.output(attend(q, k, v, mask))
+                cache: KVCache | None = None, slots: torch.Tensor | None = None, upto: int = 0,
+                context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Block tokens h attend (non-causally, under `mask`) to context K/V plus the block's own:
+        the cache's (block K/V written at `slots` right after each row's context, read up to
+        `upto`) or an explicit `context` (k, v) [B, Hkv, S, D] (training)."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, slots, upto, context=context)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -62,7 +52,7 @@ class DraftModel(nn.Module):
         n_feat = len(cfg.target_layer_ids)
         self.fc = Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
         self.markov_head = (MarkovHead(cfg.vocab_size, cfg.hidden_size, cfg.markov_rank, cfg.markov_head_type)
@@ -76,16 +66,32 @@ class DraftModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def set_block_size(self, block_size: int) -> None:
-        """Run with a shorter block than trained (fewer drafts per round)."""
+    def with_block_size(self, block_size: int) -> "DraftModel":
+        """This draft running a shorter block than trained (fewer drafts per round): a new
+        DraftModel with its own config value that shares every weight with this one."""
         cfg = self.config
         if block_size < (2 if cfg.layout == "zlab" else 1):
             raise BlockspecError(f"block size {block_size} is too small for the {cfg.layout} layout")
         if block_size > cfg.block_size:
             raise BlockspecError(f"block size {block_size} exceeds the {cfg.block_size} this draft was trained with")
-        cfg.block_size = block_size
-        if cfg.confidence_temperatures is not None:
-            cfg.confidence_temperatures = cfg.confidence_temperatures[:cfg.num_drafts]
+        shorter = replace(cfg, block_size=block_size, confidence_temperatures=None)
+        temps = cfg.confidence_temperatures
+        return self.with_config(shorter if temps is None else
+                                replace(shorter, confidence_temperatures=temps[:shorter.num_drafts]))
+
+    def with_config(self, cfg: DraftConfig) -> "DraftModel":
+        """A new DraftModel with config `cfg` over the same modules and parameter tensors (no
+        copy). Only settings that leave the weights' shapes alone may differ (block size,
+        confidence temperatures)."""
+        old = self.config
+        if replace(cfg, block_size=old.block_size, confidence_temperatures=old.confidence_temperatures) != old:
+            raise BlockspecError("with_config may change only block_size and confidence_temperatures")
+        new = copy.copy(self)
+        # Own attribute dicts, shared children: assigning a submodule later stays private.
+        new.__dict__.update(_parameters=dict(self._parameters), _buffers=dict(self._buffers),
+                            _modules=dict(self._modules))
+        new.config = cfg
+        return new
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         cfg = self.config
@@ -133,8 +139,8 @@ class DraftModel(nn.Module):
             mask = (key_pos.view(1, 1, upto) < (cache.lengths + s).view(b, 1, 1)).unsqueeze(1)
         h = embed(block_ids).to(self.dtype)
         cos, sin = self.rotary(slots, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, cache=(cache, i, slots, upto))
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask, cache, slots, upto)
         return self.norm(h)
 
     def forward(self, features: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor,
@@ -153,24 +159,27 @@ class DraftModel(nn.Module):
         return self.norm(h)
 
     # -- heads ------------------------------------------------------------------
+    def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Uncalibrated confidence logits [B, S] of slots h [B, S, H] after the tokens prev [B, S]
+        (training: the same head terms as `confidence_terms`, prev looked up first)."""
+        head = self.confidence_head
+        assert head is not None
+        return head.logit(h, self.markov_head.markov_w1(prev) if head.reads_prev else None)
+
     def confidence(self, h: torch.Tensor, prev: torch.Tensor, first_slot: int = 0) -> torch.Tensor:
         """Per-slot acceptance probability c_k [B, S] of draft slots first_slot.. (calibrated
         when temperatures are set)."""
         return self.confidence_from(*self.confidence_terms(h), prev, first_slot)
 
     def confidence_terms(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The confidence logit split by input (its projection is linear): the hidden-state
-        part of every slot [B, S] (bias included) and, when the head also reads the Markov
-        embedding of the previous token, that part for every token of the vocabulary [V].
-        Drafting slot by slot then adds one lookup per slot, not a projection."""
-        assert self.confidence_head is not None
-        proj, hidden = self.confidence_head.proj, self.config.hidden_size
-        h_term = F.linear(h, proj.weight[:, :hidden], proj.bias).squeeze(-1).float()
-        prev_term = None
-        if proj.in_features > hidden:
-            assert self.markov_head is not None
-            prev_term = F.linear(self.markov_head.markov_w1.weight, proj.weight[:, hidden:]).squeeze(-1).float()
-        return h_term, prev_term
+        """The confidence logit split by input (`ConfidenceHead`): the hidden-state part of
+        every slot [B, S] and, when the head also reads the Markov embedding of the previous
+        token, that part for every token of the vocabulary [V]. Drafting slot by slot then
+        adds one lookup per slot, not a projection."""
+        head = self.confidence_head
+        assert head is not None
+        prev_term = head.prev_term(self.markov_head.markov_w1.weight).float() if head.reads_prev else None
+        return head.hidden_term(h).float(), prev_term
 
     def confidence_from(self, h_term: torch.Tensor, prev_term: torch.Tensor | None, prev: torch.Tensor,
                         first_slot: int = 0) -> torch.Tensor:
@@ -180,4 +189,3 @@ class DraftModel(nn.Module):
         if temps is not None:
             raw = raw / torch.tensor(temps[first_slot:first_slot + raw.shape[-1]], device=raw.device)
         return torch.sigmoid(raw)
-

@@ -1,10 +1,11 @@
-"""DSpark heads (design section 5): the Markov head that corrects each block
+"""DSpark heads (docs/design.md section 5): the Markov head that corrects each block
 slot's logits with the previously drafted token, and the confidence head
 that predicts whether a slot's draft will be accepted."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from blockspec.models.layers import Linear
@@ -71,12 +72,34 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """c_k = sigmoid(proj([h_k; w1[prev_k]]) / T_k): P(draft k accepted | drafts < k accepted)."""
+    """c_k = sigmoid(proj([h_k; w1[prev_k]]) / T_k): P(draft k accepted | drafts < k accepted).
+
+    The projection is linear, so its logit is computed by input: `hidden_term(h)` (bias
+    included) plus `prev_term(e)` of the Markov embedding e of the previous token. Training
+    passes the looked-up embeddings; drafting passes the whole embedding table once and
+    then looks up one value per slot. Without the Markov part (rank 0) only h is read."""
 
     def __init__(self, hidden: int, rank: int) -> None:
         super().__init__()
+        self.hidden = hidden
         self.proj = nn.Linear(hidden + rank, 1)
 
+    @property
+    def reads_prev(self) -> bool:
+        """Whether the logit also reads the previous token's Markov embedding."""
+        return self.proj.in_features > self.hidden
+
+    def hidden_term(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] -> the hidden-state part of the logit [...], bias included."""
+        return F.linear(h, self.proj.weight[:, :self.hidden], self.proj.bias).squeeze(-1)
+
+    def prev_term(self, prev_embed: torch.Tensor) -> torch.Tensor:
+        """Markov embeddings [..., rank] (rows of markov_w1, or the whole table [V, rank])
+        -> the previous-token part of the logit [...]."""
+        return F.linear(prev_embed, self.proj.weight[:, self.hidden:]).squeeze(-1)
+
     def logit(self, h: torch.Tensor, prev_embed: torch.Tensor | None) -> torch.Tensor:
-        x = h if prev_embed is None else torch.cat([h, prev_embed], dim=-1)
-        return self.proj(x).squeeze(-1)
+        """The uncalibrated logit [...] of slots h [..., H] whose previous tokens have the
+        Markov embeddings prev_embed [..., rank] (None when the head does not read them)."""
+        z = self.hidden_term(h)
+        return z if prev_embed is None else z + self.prev_term(prev_embed)

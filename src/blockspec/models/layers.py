@@ -1,5 +1,6 @@
 """Building blocks shared by the target and the draft: RMSNorm, RoPE, SwiGLU,
-one attention module and the one attention function."""
+the one attention module (its forward is the one attention body) and the one
+attention function."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.config import RopeConfig
+from blockspec.models.kv_cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -190,15 +192,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class Attention(nn.Module):
-    """Projections and norms of one attention layer (HF parameter names).
+    """One attention layer (HF parameter names), the one attention body of the target's
+    decode and packed verification and of the draft's block.
 
-    The forward pass lives with the caller because target and draft feed it
-    differently; this module owns the weights and the q/k preparation."""
+    `layer_idx` is this layer's index into a KVCache (as in HF's modeling_qwen3)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool, eps: float) -> None:
+                 o_bias: bool, qk_norm: bool, eps: float, layer_idx: int = 0) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.heads, self.kv_heads, self.head_dim, self.layer_idx = heads, kv_heads, head_dim, layer_idx
         self.q_proj = Linear(hidden, heads * head_dim, bias=qkv_bias)
         self.k_proj = Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
@@ -265,3 +267,36 @@ class Attention(nn.Module):
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = attn.shape
         return self.o_proj(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, slots: torch.Tensor | None = None, upto: int = 0, *,
+                packed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                context: tuple[torch.Tensor, torch.Tensor] | None = None, causal: bool = False) -> torch.Tensor:
+        """x [B, T, hidden] (already normed) -> attention output [B, T, hidden].
+
+        Keys and values, by what is given:
+        - `cache`: this block's K/V are written at `slots` [B, T] of every row and the
+          queries read the cache's slots [0, upto) under `mask` [B, 1, T, upto] (None: all);
+        - `cache` and `packed` = (rows, cols) [N]: x [1, N, hidden] is a packed ragged
+          sequence whose token i is the cols[i]-th new token of cache row rows[i], written
+          at slots [N]; `mask` [R, 1, W, upto] is per row (W = widest row);
+        - `context` = (k, v) [B, Hkv, S, D]: explicit K/V placed before the block (training);
+        - neither: the block attends to itself (causally when `causal`, or under `mask`)."""
+        q, k, v = self.project_qkv(x, cos, sin)
+        if cache is None:
+            if context is not None:
+                k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
+            return self.output(attend(q, k, v, mask, causal))
+        if packed is None:
+            cache.write(self.layer_idx, k, v, slots)
+            ck, cv = cache.view(self.layer_idx, upto)
+            return self.output(attend(q, ck, cv, mask))
+        rows, cols = packed
+        cache.write_packed(self.layer_idx, k[0], v[0], rows, slots)
+        # Attention reads each row's cache once: queries are scattered to [R, Hq, W, D]
+        # for one SDPA call, and the masked padding queries are dropped again.
+        q_rows = q.new_zeros(cache.rows, q.shape[1], mask.shape[2], q.shape[3])
+        q_rows[rows, :, cols] = q[0].transpose(0, 1)
+        ck, cv = cache.view(self.layer_idx, upto)
+        out = attend(q_rows, ck, cv, mask)[rows, :, cols]            # [N, Hq, D]
+        return self.output(out.transpose(0, 1).unsqueeze(0))

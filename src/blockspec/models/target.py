@@ -2,7 +2,7 @@
 
 `forward` appends tokens to a KVCache (or runs cache-free for training), and
 returns logits plus, when asked, the concatenated hidden states of selected
-decoder layers (design section 2: hidden[0] = embeddings, hidden[i+1] = output
+decoder layers (docs/design.md section 2: hidden[0] = embeddings, hidden[i+1] = output
 of layer i) without keeping every layer's states.
 """
 
@@ -16,52 +16,25 @@ from torch import nn
 
 from blockspec.config import TargetConfig
 from blockspec.models.kv_cache import KVCache
-from blockspec.models.layers import Attention, Linear, RMSNorm, RotaryEmbedding, SwiGLU, attend
+from blockspec.models.layers import Attention, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig) -> None:
+    def __init__(self, cfg: TargetConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                   cfg.head_dim, cfg.qkv_bias, cfg.o_bias, cfg.qk_norm, cfg.rms_norm_eps)
+                                   cfg.head_dim, cfg.qkv_bias, cfg.o_bias, cfg.qk_norm, cfg.rms_norm_eps, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int,
-                cache: KVCache | None, slots: torch.Tensor | None,
-                mask: torch.Tensor | None, upto: int) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        attn = self.self_attn
-        q, k, v = attn.project_qkv(x, cos, sin)
-        if cache is None:
-            out = attend(q, k, v, mask, causal=True)
-        else:
-            cache.write(layer_idx, k, v, slots)
-            ck, cv = cache.view(layer_idx, upto)
-            out = attend(q, ck, cv, mask)
-        h = h + attn.output(out)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: KVCache | None = None, slots: torch.Tensor | None = None, upto: int = 0,
+                packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Causal attention (see `Attention.forward` for the cache / packed arguments) + MLP."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, slots, upto,
+                               packed=packed, causal=True)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-def packed_layer(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_idx: int,
-                 cache: KVCache, rows: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor, upto: int
-                 ) -> torch.Tensor:
-    """One decoder layer over a packed sequence h [1, N, H] whose token i is the
-    cols[i]-th new token of cache row rows[i] (see TargetModel.forward_packed)."""
-    x = layer.input_layernorm(h)
-    attn = layer.self_attn
-    q, k, v = attn.project_qkv(x, cos, sin)      # q [1, Hq, N, D], k/v [1, Hkv, N, D]
-    q = q[0]
-    cache.write_packed(layer_idx, k[0], v[0], rows, cache.lengths[rows] + cols)
-    # Attention reads each row's cache once: queries are scattered to [R, Hq, W, D]
-    # (W = widest row) for one SDPA call; the masked padding queries are dropped.
-    q_rows = q.new_zeros(cache.rows, q.shape[0], mask.shape[2], q.shape[2])
-    q_rows[rows, :, cols] = q.transpose(0, 1)
-    ck, cv = cache.view(layer_idx, upto)
-    out = attend(q_rows, ck, cv, mask)[rows, :, cols]   # [N, Hq, D]
-    h = h + attn.output(out.transpose(0, 1).unsqueeze(0))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 @dataclass
@@ -75,7 +48,7 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -125,7 +98,7 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, i, cache, slots, mask, upto)
+            h = layer(h, cos, sin, mask, cache, slots, upto)
             if i in capture:
                 captured[i] = h
         if cache is not None:
@@ -156,8 +129,8 @@ class TargetModel(nn.Module):
         h = self.embed_tokens(tokens.unsqueeze(1))
         cos, sin = self.rotary(pos, h.dtype, limit=cache.capacity)
         mask = (torch.arange(cache.capacity, device=h.device) <= pos).view(-1, 1, 1, cache.capacity)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, i, cache, pos, mask, cache.capacity)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask, cache, pos, cache.capacity)
         return self.lm_head(self.norm(h))
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -191,10 +164,11 @@ class TargetModel(nn.Module):
         limit = cache.lengths.unsqueeze(1) + torch.arange(width, device=tokens.device)
         mask = (torch.arange(upto, device=tokens.device).view(1, 1, upto) <= limit.unsqueeze(-1)).unsqueeze(1)
         h = self.embed_tokens(tokens).unsqueeze(0)
-        cos, sin = self.rotary((cache.lengths[rows] + cols).unsqueeze(0), h.dtype)
+        slots = cache.lengths[rows] + cols
+        cos, sin = self.rotary(slots.unsqueeze(0), h.dtype)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = packed_layer(layer, h, cos, sin, i, cache, rows, cols, mask, upto)
+            h = layer(h, cos, sin, mask, cache, slots, upto, (rows, cols))
             if i in capture:
                 captured[i] = h
         cache.advance(counts)

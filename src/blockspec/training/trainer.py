@@ -169,9 +169,7 @@ def block_loss(draft: DraftModel, target: TargetModel, ids: torch.Tensor, loss_m
     t_probs = target_probs.gather(1, (label_pos - 1).flatten(1).unsqueeze(-1).expand(-1, -1, target_probs.shape[-1]))
     conf = None
     if draft.confidence_head is not None:
-        prev_embed = (draft.markov_head.markov_w1(prev)
-                      if draft.confidence_head.proj.in_features > cfg.hidden_size else None)
-        conf = draft.confidence_head.logit(h, prev_embed)
+        conf = draft.confidence_logit(h, prev)
     return dspark_loss(logits, labels, weights, t_probs.view(b, a, g, -1), conf)
 
 
