@@ -16,7 +16,7 @@ from blockspec import embedded
 from blockspec.bench.cli import add_bench_parser
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import generate
-from blockspec.decoding.scheduler import profile_cost_table
+from blockspec.decoding.cost_table import profile_cost_table
 from blockspec.errors import BlockspecError
 from blockspec.loading import load_models
 from blockspec.models.checkpoint import load_draft, load_target, resolve_device, save_draft

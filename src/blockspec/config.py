@@ -4,13 +4,16 @@
 `DraftConfig` reads a z-lab DFlash or DeepSpec DSpark draft config;
 `SamplingParams` holds per-request decoding settings. Unknown keys of a config
 file are kept in `extra` so that a load -> save round trip loses nothing.
+
+Every config is a frozen value, validated when it is built: a changed setting
+(a shorter draft block, say) is a new value made with `dataclasses.replace`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,8 @@ from blockspec.errors import BlockspecError
 
 SUPPORTED_TARGET_TYPES = ("qwen3", "llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Decoding methods: plain AR, DFlash drafts, DSpark drafts (docs/design.md sections 3 and 5).
+METHODS = ("ar", "dflash", "dspark")
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
@@ -45,7 +50,12 @@ def _positive_int(name: str, value: Any, where: str) -> int:
     return value
 
 
-@dataclass
+def _check_model_type(model_type: Any, where: str) -> None:
+    _require(model_type in SUPPORTED_TARGET_TYPES,
+             f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TARGET_TYPES)})")
+
+
+@dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters (neox style)."""
 
@@ -55,6 +65,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    where: InitVar[str] = "rope config"
+
+    def __post_init__(self, where: str) -> None:
+        _require(self.rope_type in SUPPORTED_ROPE_TYPES,
+                 f"{where}: rope type '{self.rope_type}' is not supported "
+                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        _require(isinstance(self.theta, (int, float)) and self.theta > 0, f"{where}: rope_theta must be > 0")
+        object.__setattr__(self, "theta", float(self.theta))
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str) -> "RopeConfig":
@@ -67,16 +85,12 @@ class RopeConfig:
         merged = {**params, **scaling}
         theta = raw.get("rope_theta", merged.get("rope_theta", 10000.0))
         rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise BlockspecError(
-                f"{where}: rope type '{rope_type}' is not supported "
-                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-        _require(isinstance(theta, (int, float)) and theta > 0, f"{where}: rope_theta must be > 0")
         return cls(
-            theta=float(theta), rope_type=rope_type, factor=float(merged.get("factor", 1.0)),
+            theta=theta, rope_type=rope_type, factor=float(merged.get("factor", 1.0)),
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+            where=where,
         )
 
     def to_hf_scaling(self) -> dict[str, Any] | None:
@@ -89,7 +103,7 @@ class RopeConfig:
         return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class TargetConfig:
     """Architecture of a target decoder, from a Hugging Face config.json."""
 
@@ -112,25 +126,29 @@ class TargetConfig:
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict)
+    where: InitVar[str] = "target config"
+
+    def __post_init__(self, where: str) -> None:
+        _check_model_type(self.model_type, where)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            _positive_int(name, getattr(self, name), where)
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        _require(heads % kv_heads == 0,
+                 f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        _require(self.head_dim % 2 == 0, f"{where}: head_dim must be even for rotary embeddings")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> "TargetConfig":
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_TARGET_TYPES:
-            raise BlockspecError(
-                f"{where}: model_type {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_TARGET_TYPES)})")
+        _check_model_type(model_type, where)  # first: an unsupported family also lacks our keys
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             _require(key in raw, f"{where}: missing required key '{key}'")
             _positive_int(key, raw[key], where)
         heads = raw["num_attention_heads"]
-        kv_heads = _positive_int("num_key_value_heads", raw.get("num_key_value_heads") or heads, where)
-        _require(heads % kv_heads == 0,
-                 f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        kv_heads = raw.get("num_key_value_heads") or heads
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-        _positive_int("head_dim", head_dim, where)
-        _require(head_dim % 2 == 0, f"{where}: head_dim must be even for rotary embeddings")
         act = raw.get("hidden_act", "silu")
         _require(act == "silu", f"{where}: hidden_act {act!r} is not supported (only 'silu')")
         _require(not raw.get("use_sliding_window", False),
@@ -149,14 +167,13 @@ class TargetConfig:
             model_type=model_type, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-            max_position_embeddings=_positive_int(
-                "max_position_embeddings", raw.get("max_position_embeddings", 2048), where),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=RopeConfig.from_hf(raw, where),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=model_type == "qwen3",
             bos_token_id=raw.get("bos_token_id"), eos_token_id=eos_list,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            extra={k: v for k, v in raw.items() if k not in known},
+            extra={k: v for k, v in raw.items() if k not in known}, where=where,
         )
 
     @classmethod
@@ -185,7 +202,7 @@ class TargetConfig:
         return out
 
     def default_layer_ids(self, num_draft_layers: int) -> list[int]:
-        """Design section 2: which target layers feed an N-layer draft."""
+        """docs/design.md section 2: which target layers feed an N-layer draft."""
         t = self.num_hidden_layers
         if num_draft_layers == 1:
             return [t // 2]
@@ -193,9 +210,16 @@ class TargetConfig:
                 for i in range(num_draft_layers)]
 
 
-@dataclass
+# Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing logits by a
+# subnormal temperature overflows them to inf and the softmax to NaN.
+SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings. temperature == 0 means greedy."""
+    """Per-request decoding settings. temperature == 0 means greedy; a temperature in
+    (0, SAMPLING_EPS = 1e-5) is normalised to 0.0 (greedy) on construction, as vLLM does,
+    so every path (AR and speculative) decodes it greedily instead of overflowing."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -209,6 +233,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                  and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)
         _require(isinstance(self.top_k, int) and 0 <= self.top_k < 2**31,
                  f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         # A top_p below float32 resolution would drop every token.
@@ -228,9 +254,9 @@ LAYOUTS = ("zlab", "deepspec")
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftConfig:
-    """A DFlash / DSpark draft (design sections 3, 5, 6).
+    """A DFlash / DSpark draft (docs/design.md sections 3, 5, 6).
 
     `layout` is "zlab" (block_size B includes the anchor, B-1 drafts) or
     "deepspec" (block_size = gamma drafts). The backbone shares the target's

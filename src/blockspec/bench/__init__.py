@@ -1,1 +1,7 @@
-"""Benchmark metrics and plotting helpers for block speculative decoding."""
+"""`blockspec bench`: tau, speed-up and calibration of every method (docs/design.md section 11).
+
+arms (what runs: one runner per method and block size) -> measure (interleaved timed
+runs, calibration, engine throughput) -> report (rows, Markdown, JSON, plots) ->
+run (`run_bench`, the orchestration) -> cli (the `blockspec bench` parser).
+datasets, metrics (report helpers) and plots are their leaves.
+"""

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from blockspec.config import METHODS as GENERATE_METHODS
-from blockspec.config import SamplingParams
-from blockspec.decoding.engine import Engine
-from blockspec.decoding.generate import RequestStats, Timing, generate
+from blockspec.config import METHODS as GENERATE_METHODS, SamplingParams
 from blockspec.decoding.cost_table import CostTable, profile_cost_table
+from blockspec.decoding.engine import Engine
+from blockspec.decoding.generate import Timing, generate
+from blockspec.decoding.output import RequestStats
 from blockspec.errors import BlockspecError
 from blockspec.loading import draft_kind
 from blockspec.models.draft import DraftModel
@@ -153,7 +153,8 @@ def _engine_timing(before: dict[str, Any], after: dict[str, Any]) -> Timing:
                   rounds=after["rounds"] - before["rounds"])
 
 
-def _scheduled_runner(target: TargetModel, draft: DraftModel, table: Any, max_model_len: int, rule: str) -> Runner:
+def _scheduled_runner(target: TargetModel, draft: DraftModel, table: CostTable, max_model_len: int,
+                      rule: str) -> Runner:
     """DSpark confidence-scheduled verification through the continuous-batching engine (batch 1)."""
     engine = Engine(target, draft, method="dspark", scheduled=True, cost_table=table, max_running=1,
                     max_model_len=max_model_len, rule=rule)
@@ -217,7 +218,7 @@ def _draft_variants(draft: DraftModel, block_sizes: list[int] | None, method: st
 
 
 def _cost_table(target: TargetModel, drafts: Sequence[DraftModel], path: str | Path | None,
-                notes: list[str]) -> Any:
+                notes: list[str]) -> CostTable:
     """The scheduler's verify cost table: loaded, or profiled now for windows 1..max(g)+1 at batch 1."""
     if path is not None:
         table = CostTable.load(path)
@@ -253,7 +254,8 @@ def build_arms(setup: BenchSetup, notes: list[str]) -> list[Arm]:
                 arms.append(Arm(method, _generate_runner(target, d, method, setup.rule), d))
                 continue
             try:
-                arms.append(Arm(method, _simulated_runner(target, d, method, setup.simulate_accept, setup.rule), d, True))
+                runner = _simulated_runner(target, d, method, setup.simulate_accept, setup.rule)
+                arms.append(Arm(method, runner, d, simulated=True))
             except BlockspecError as exc:
                 if setup.block_sizes is None or len(drafts) == 1:
                     raise

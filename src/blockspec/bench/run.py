@@ -30,8 +30,8 @@ from blockspec.models.tokenizer import Tokenizer
 
 __all__ = ["run_bench"]
 
-
 EncodedSets = dict[str, tuple[list[str], list[list[int]]]]   # dataset -> (prompt ids, token ids)
+
 
 def _check_args(temperatures: Sequence[float], max_new_tokens: int, limit: int | None, repeats: int,
                 block_sizes: Sequence[int] | None, rule: str) -> None:

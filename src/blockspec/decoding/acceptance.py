@@ -228,7 +228,8 @@ def calibration(pred: Sequence[float], outcome: Sequence[int | bool], bins: int 
     for b in range(bins):
         mask = idx == b
         cnt = int(mask.sum())
-        entry: dict[str, Any] = {"lo": b / bins, "hi": (b + 1) / bins, "count": cnt, "mean_pred": None, "frac_pos": None}
+        entry: dict[str, Any] = {"lo": b / bins, "hi": (b + 1) / bins, "count": cnt,
+                                 "mean_pred": None, "frac_pos": None}
         if cnt:
             mp = float(p[mask].mean())
             fp = float(y[mask].mean())

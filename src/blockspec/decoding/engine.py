@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -48,6 +47,26 @@ class Request:
     handle: RequestHandle
     generator: torch.Generator
     anchor: int = -1
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, max_model_len: int,
+                  has_tokenizer: bool) -> list[int]:
+    """The prompt as ints, or BlockspecError for a request that can never run."""
+    if not isinstance(params, SamplingParams):
+        raise BlockspecError("params must be a SamplingParams")
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise BlockspecError("the prompt is empty")
+    if any(t < 0 or t >= vocab for t in prompt):
+        raise BlockspecError(f"prompt token ids must be in 0..{vocab - 1}")
+    need = len(prompt) + params.max_new_tokens
+    if need > max_model_len:
+        raise BlockspecError(
+            f"request needs {need} positions (prompt {len(prompt)} + max_new_tokens {params.max_new_tokens}) "
+            f"but the engine holds at most max_model_len={max_model_len} per request")
+    if params.stop and not has_tokenizer:
+        raise BlockspecError("stop strings need a tokenizer; pass tokenizer= to the Engine or use stop_token_ids")
+    return prompt
 
 
 class Engine:
@@ -83,8 +102,9 @@ class Engine:
         self.draft = draft if method != "ar" else None
         if self.draft is not None:
             self.draft.config.check_target(target.config)
-        self.policy = self._policy(scheduled, cost_table, draft_gate, min_survival, gate_feedback,
-                                   calibrate_confidence)
+        self.policy = RoundPolicy.for_engine(target, self.draft, method, cost_table, scheduled=scheduled,
+                                             draft_gate=draft_gate, min_survival=min_survival,
+                                             gate_feedback=gate_feedback, calibrate=calibrate_confidence)
         self.max_model_len = self._model_len(max_model_len)
         self.slots = SlotPool(target, self.draft, self.max_model_len, max_running, kv_memory_gb)
         self.stats = EngineStats(speculative=self.draft is not None)
@@ -103,23 +123,6 @@ class Engine:
         self.failure: BaseException | None = None
 
     # -- construction helpers ------------------------------------------------------
-    def _policy(self, scheduled: bool, table: CostTable | None, draft_gate: bool | None, min_survival: float,
-                gate_feedback: bool, calibrate: bool) -> RoundPolicy:
-        draft = self.draft
-        if scheduled:
-            if self.method != "dspark" or draft is None or draft.confidence_head is None:
-                raise BlockspecError("scheduled verification needs method 'dspark' and a draft with a "
-                                     "confidence head")
-            if table is None:
-                warnings.warn("scheduled=True without a cost table: every draft is verified", stacklevel=3)
-        if draft_gate is None:
-            draft_gate = scheduled and table is not None and table.has_draft_times
-        if table is not None and (scheduled or draft_gate):
-            table.check_target(self.target)
-        window = draft.config.num_drafts if draft is not None else 0
-        return RoundPolicy(window, table, scheduled=scheduled, gate=draft_gate, min_survival=min_survival,
-                           gate_feedback=gate_feedback, calibrate=calibrate)
-
     def _model_len(self, max_model_len: int | None) -> int:
         limit = self.target.config.max_position_embeddings
         if max_model_len is None:
@@ -141,7 +144,12 @@ class Engine:
         params = params or SamplingParams()
         if self._closed:
             raise BlockspecError("the engine is shut down; no new requests")
-        prompt = self._check_request(prompt_ids, params)
+        try:
+            prompt = check_request(prompt_ids, params, self.target.config.vocab_size, self.max_model_len,
+                                   self.tokenizer is not None)
+        except BlockspecError:
+            self.stats.count("rejected")
+            raise
         with self._lock:
             if self._closed:
                 raise BlockspecError("the engine is shut down; no new requests")
@@ -236,13 +244,9 @@ class Engine:
     def metrics(self) -> dict[str, Any]:
         with self._lock:
             running, waiting = len(self._running), len(self._waiting)
-        slots = self.slots
         return {"method": self.method, "scheduled": self.policy.scheduled,
-                "draft_gate": self.policy.gate is not None, "slots": slots.rows,
-                "slot_capacity": slots.slot_capacity, "max_model_len": self.max_model_len,
-                "kv_bytes_per_slot": slots.row_bytes, "kv_bytes_in_use": running * slots.row_bytes,
-                "kv_bytes_total": slots.rows * slots.row_bytes, "running": running, "waiting": waiting,
-                **self.stats.snapshot()}
+                "draft_gate": self.policy.gate is not None, "max_model_len": self.max_model_len,
+                **self.slots.usage(running), "running": running, "waiting": waiting, **self.stats.snapshot()}
 
     # -- step internals ------------------------------------------------------------
     def _loop(self) -> None:
@@ -347,28 +351,6 @@ class Engine:
             for src, dst in moves:
                 self._running[dst] = self._running[src]
             del self._running[len(self._running) - len(done):]
-
-    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-        """Reject at submit what can never run; nothing else is affected."""
-        def reject(msg: str) -> BlockspecError:
-            self.stats.count("rejected")
-            return BlockspecError(msg)
-        if not isinstance(params, SamplingParams):
-            raise reject("params must be a SamplingParams")
-        prompt = [int(t) for t in prompt_ids]
-        vocab = self.target.config.vocab_size
-        if not prompt:
-            raise reject("the prompt is empty")
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise reject(f"prompt token ids must be in 0..{vocab - 1}")
-        need = len(prompt) + params.max_new_tokens
-        if need > self.max_model_len:
-            raise reject(
-                f"request needs {need} positions (prompt {len(prompt)} + max_new_tokens {params.max_new_tokens}) "
-                f"but the engine holds at most max_model_len={self.max_model_len} per request")
-        if params.stop and self.tokenizer is None:
-            raise reject("stop strings need a tokenizer; pass tokenizer= to the Engine or use stop_token_ids")
-        return prompt
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

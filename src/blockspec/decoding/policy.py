@@ -12,11 +12,15 @@ DSpark early stop; `FullWindow` is the policy of plain speculative decoding.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.round import ConfidenceMap, Proposal, RoundOutcome
 from blockspec.errors import BlockspecError
+from blockspec.models.draft import DraftModel
+from blockspec.models.target import TargetModel
 
 def plan(survival: torch.Tensor, table: CostTable | None, draft_time_s: float = 0.0,
          min_survival: float = 0.0, base_rows: int | None = None) -> torch.Tensor:
@@ -312,6 +316,27 @@ class RoundPolicy:
         self.gate_feedback = gate_feedback
         self.calibration = (ConfidenceCalibration(window) if calibrate and self.table is not None and window
                             else None)
+
+    @classmethod
+    def for_engine(cls, target: TargetModel, draft: DraftModel | None, method: str, table: CostTable | None, *,
+                   scheduled: bool, draft_gate: bool | None, min_survival: float, gate_feedback: bool,
+                   calibrate: bool) -> "RoundPolicy":
+        """The policy of an engine running `method` (draft None for AR); draft_gate None:
+        on for scheduled DSpark given a table with draft times. Checks that the table
+        was measured for this target."""
+        if scheduled:
+            if method != "dspark" or draft is None or draft.confidence_head is None:
+                raise BlockspecError("scheduled verification needs method 'dspark' and a draft with a "
+                                     "confidence head")
+            if table is None:
+                warnings.warn("scheduled=True without a cost table: every draft is verified", stacklevel=4)
+        if draft_gate is None:
+            draft_gate = scheduled and table is not None and table.has_draft_times
+        if table is not None and (scheduled or draft_gate):
+            table.check_target(target)
+        window = draft.config.num_drafts if draft is not None else 0
+        return cls(window, table, scheduled=scheduled, gate=draft_gate, min_survival=min_survival,
+                   gate_feedback=gate_feedback, calibrate=calibrate)
 
     @property
     def scheduled(self) -> bool:

@@ -124,6 +124,11 @@ class SlotPool:
                 f"needs {self.row_bytes / 2**30:.4f} GiB; raise kv_memory_gb or lower max_model_len")
         return min(max_running, fit)
 
+    def usage(self, running: int) -> dict[str, int]:
+        """Slot and KV-memory figures with `running` rows in use (for /metrics)."""
+        return {"slots": self.rows, "slot_capacity": self.slot_capacity, "kv_bytes_per_slot": self.row_bytes,
+                "kv_bytes_in_use": running * self.row_bytes, "kv_bytes_total": self.rows * self.row_bytes}
+
     def views(self, start: int, stop: int) -> tuple[KVCache, KVCache | None]:
         """Rows start..stop-1 of both caches, sharing storage with the pool."""
         draft_view = self.draft_cache.slice_rows(start, stop) if self.draft_cache is not None else None

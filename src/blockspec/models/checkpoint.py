@@ -14,8 +14,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from blockspec.config import TargetConfig, read_json
+from blockspec.config import DraftConfig, TargetConfig, read_json
 from blockspec.errors import BlockspecError
+from blockspec.models.draft import DraftModel
 from blockspec.models.layers import rope_inv_freq
 from blockspec.models.target import TargetModel
 
@@ -141,16 +142,13 @@ def save_target(model: TargetModel, directory: str | Path, dtype: str | torch.dt
     save_checkpoint(directory, model.config.to_dict(), target_tensors(model, torch_dtype), torch_dtype)
 
 
-# -- drafts (design section 6) ------------------------------------------------------
+# -- drafts (docs/design.md section 6) ------------------------------------------------------
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 
 
 def load_draft(directory: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               target: TargetModel | None = None) -> "DraftModel":
+               target: TargetModel | None = None) -> DraftModel:
     """Load a z-lab DFlash or DeepSpec DSpark draft; check it against `target` if given."""
-    from blockspec.config import DraftConfig
-    from blockspec.models.draft import DraftModel
-
     directory = Path(directory)
     if not directory.is_dir():
         raise BlockspecError(f"draft: {directory} is not a directory")
@@ -168,7 +166,7 @@ def load_draft(directory: str | Path, dtype: str | torch.dtype = "float32", devi
     return model
 
 
-def save_draft(model: "DraftModel", directory: str | Path, dtype: str | torch.dtype | None = None) -> None:
+def save_draft(model: DraftModel, directory: str | Path, dtype: str | torch.dtype | None = None) -> None:
     torch_dtype = parse_dtype(dtype) if dtype is not None else model.dtype
     tensors = {k: v.detach().to(torch_dtype).cpu() for k, v in model.state_dict().items()}
     save_checkpoint(directory, model.config.to_dict(), tensors, torch_dtype)

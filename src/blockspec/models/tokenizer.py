@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jinja2
+from tokenizers import Tokenizer as HFTokenizer
+
 from blockspec.config import read_json
 from blockspec.errors import BlockspecError
 
@@ -18,8 +21,6 @@ def _token_text(value: Any) -> str | None:
 
 class Tokenizer:
     def __init__(self, directory: str | Path) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
-
         directory = Path(directory)
         path = directory / "tokenizer.json"
         if not path.is_file():
@@ -51,8 +52,6 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise BlockspecError("this tokenizer has no chat_template in tokenizer_config.json")
-        import jinja2
-
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise BlockspecError("each chat message needs string 'role' and 'content' fields")

@@ -22,7 +22,7 @@ from typing import Any
 
 from blockspec.config import DraftConfig
 from blockspec.decoding.engine import Engine
-from blockspec.decoding.scheduler import CostTable
+from blockspec.decoding.cost_table import CostTable
 from blockspec.errors import BlockspecError
 from blockspec.loading import DRAFT_KINDS, load_models
 from blockspec.options import add_model_flags
