@@ -22,7 +22,10 @@ from blockspec.errors import BlockspecError
 SUPPORTED_TARGET_TYPES = ("qwen3", "llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Decoding methods: plain AR, DFlash drafts, DSpark drafts (docs/design.md sections 3 and 5).
-METHODS = ("ar", "dflash", "dspark")
+DRAFT_METHODS = ("dflash", "dspark")
+METHODS = ("ar", *DRAFT_METHODS)
+# Verification rules (docs/design.md section 4): lossless rejection sampling, sample-and-match.
+RULES = ("rejection", "match")
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:

@@ -13,13 +13,14 @@ from pathlib import Path
 import torch
 
 from blockspec import embedded
+from blockspec.config import DRAFT_METHODS
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import load_draft, load_target
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 from blockspec.models.tokenizer import Tokenizer
 
-DRAFT_KINDS = ("dflash", "dspark")
+DRAFT_KINDS = DRAFT_METHODS
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from blockspec.config import read_json
+from blockspec.config import METHODS, RULES, read_json
 from blockspec.errors import BlockspecError
 
-METHOD_CHOICES = ["ar", "dflash", "dspark"]
-RULE_CHOICES = ["rejection", "match"]
+METHOD_CHOICES = list(METHODS)
+RULE_CHOICES = list(RULES)
 TARGET_HELP = "HF-format target directory (default: the embedded model)"
 DTYPE_HELP = "float32 | bfloat16 | float16"
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from blockspec import embedded
 from blockspec.bench.arms import METHODS
+from blockspec.config import DRAFT_METHODS
 from blockspec.bench.report import render_markdown
 from blockspec.bench.run import run_bench
 from blockspec.errors import BlockspecError
@@ -63,7 +64,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _draft_dirs(args: argparse.Namespace) -> dict[str, Path | None]:
     """Explicit flags win; otherwise the embedded drafts, where they are shipped."""
     out: dict[str, Path | None] = {}
-    for key in ("dflash", "dspark"):
+    for key in DRAFT_METHODS:
         given = getattr(args, f"{key}_draft")
         if given:
             out[key] = Path(given)

@@ -21,6 +21,7 @@ from blockspec.bench.arms import METHODS, Arm, BenchSetup, build_arms
 from blockspec.bench.datasets import BenchPrompt, load_dataset
 from blockspec.bench.measure import calibrates, collect_calibration, measure, throughput_vs_concurrency, warm_up
 from blockspec.bench.report import group_plots, slug, summarize, write_outputs
+from blockspec.config import DRAFT_METHODS, RULES
 from blockspec.decoding.cost_table import profile_cost_table
 from blockspec.errors import BlockspecError
 from blockspec.loading import draft_kind, load_drafts
@@ -45,14 +46,14 @@ def _check_args(temperatures: Sequence[float], max_new_tokens: int, limit: int |
         raise BlockspecError(f"repeats must be a positive integer, got {repeats!r}")
     if block_sizes is not None and (not block_sizes or any(not isinstance(b, int) or b < 1 for b in block_sizes)):
         raise BlockspecError(f"block sizes must be positive integers, got {block_sizes!r}")
-    if rule not in ("rejection", "match"):
+    if rule not in RULES:
         raise BlockspecError(f"unknown verification rule {rule!r} (choose rejection or match)")
 
 
 def _resolve_methods(methods: Sequence[str] | None, drafts: Mapping[str, Any], notes: list[str]) -> list[str]:
     """Validate methods; AR is always measured (it is the speed-up baseline)."""
     if methods is None:
-        methods = ["ar"] + [m for m in ("dflash", "dspark") if drafts.get(m) is not None]
+        methods = ["ar"] + [m for m in DRAFT_METHODS if drafts.get(m) is not None]
     methods = list(dict.fromkeys(methods))
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from blockspec.config import SamplingParams
+from blockspec.config import RULES, SamplingParams
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import check_method
 from blockspec.decoding.handles import RequestHandle, RequestOutput
@@ -96,7 +96,7 @@ class Engine:
                  min_survival: float = 0.02, draft_gate: bool | None = None, gate_feedback: bool = True,
                  calibrate_confidence: bool = True) -> None:
         check_method(method, draft)
-        if rule not in ("rejection", "match"):
+        if rule not in RULES:
             raise BlockspecError(f"unknown verification rule {rule!r} (choose rejection or match)")
         self.target, self.method, self.rule, self.tokenizer = target, method, rule, tokenizer
         self.draft = draft if method != "ar" else None

@@ -50,7 +50,7 @@ class GenerationOutput:
     @property
     def tau(self) -> float:
         rounds = sum(c.stats.rounds for c in self.completions)
-        return tau(sum(sum(c.stats.accepted) for c in self.completions), rounds, empty=1.0)
+        return tau(sum(sum(c.stats.accepted) for c in self.completions), rounds, empty=0.0)
 
 
 class RoundObserver(Protocol):

@@ -32,7 +32,7 @@ class RequestStats:
 
     @property
     def tau(self) -> float:
-        return tau(sum(self.accepted), self.rounds, empty=1.0)
+        return tau(sum(self.accepted), self.rounds, empty=0.0)
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from rich.progress import Progress
 
-from blockspec.config import DraftConfig, SamplingParams
+from blockspec.config import DRAFT_METHODS, DraftConfig, SamplingParams
 from blockspec.decoding.acceptance import AcceptanceStats
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
@@ -76,7 +76,7 @@ class TrainConfig:
     time_budget_s: float = 0.0          # > 0: fit max_steps to this wall time (timed over the first steps)
 
     def validate(self) -> None:
-        if self.method not in ("dflash", "dspark"):
+        if self.method not in DRAFT_METHODS:
             raise BlockspecError(f"train: method must be dflash or dspark, got {self.method!r}")
         if not self.target or not self.data:
             raise BlockspecError("train: --target and --data are required")
