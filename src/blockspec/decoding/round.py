@@ -284,7 +284,6 @@ class RoundOutcome:
     draft_s: float = 0.0
     plan_s: float = 0.0
     verify_s: float = 0.0
-    wall_s: float = 0.0
 
     def new_tokens(self, row: int) -> list[int]:
         """Row's committed tokens this round: accepted drafts, then the bonus."""
@@ -335,13 +334,11 @@ def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "r
     accepted = verdict.accepted.tolist()
     drafted = proposal.tokens.tolist() if proposal is not None else [[] for _ in range(r)]
     verified = lens.tolist() if lens is not None else [len(d) for d in drafted]
-    outcome = RoundOutcome(drafted, verified, accepted, verdict.bonus.tolist(),
-                           proposal.raw_confidence[:k] if proposal is not None and proposal.raw_confidence
-                           is not None else None, k, block if k else 0,
-                           draft_s=t_drafted - t_start, plan_s=t_planned - t_drafted,
+    raw = proposal.raw_confidence if proposal is not None else None
+    outcome = RoundOutcome(drafted, verified, accepted, verdict.bonus.tolist(), None if raw is None else raw[:k],
+                           k, block if k else 0, draft_s=t_drafted - t_start, plan_s=t_planned - t_drafted,
                            verify_s=t_verified - t_planned)
     batch.anchors = verdict.bonus
-    outcome.wall_s = time.perf_counter() - t_start
     policy.observe(outcome, proposal, lens if lens is not None else torch.tensor(verified))
     return outcome
 
