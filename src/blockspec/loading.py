@@ -20,8 +20,6 @@ from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 from blockspec.models.tokenizer import Tokenizer
 
-DRAFT_KINDS = DRAFT_METHODS
-
 
 @dataclass(frozen=True)
 class LoadedModels:
@@ -34,7 +32,7 @@ class LoadedModels:
 def draft_kind(method: str) -> str | None:
     """The draft a method runs: "dflash" / "dspark" (variants such as "dspark-scheduled" included), else None."""
     kind = method.split("-", 1)[0]
-    return kind if kind in DRAFT_KINDS else None
+    return kind if kind in DRAFT_METHODS else None
 
 
 def load_models(target: str | Path | None = None, draft: str | Path | None = None, method: str = "ar", *,

@@ -14,8 +14,6 @@ from typing import Any
 from blockspec.config import METHODS, RULES, read_json
 from blockspec.errors import BlockspecError
 
-METHOD_CHOICES = list(METHODS)
-RULE_CHOICES = list(RULES)
 TARGET_HELP = "HF-format target directory (default: the embedded model)"
 DTYPE_HELP = "float32 | bfloat16 | float16"
 
@@ -37,7 +35,7 @@ def add_device_flag(p: argparse.ArgumentParser) -> None:
 
 def add_rule_flag(p: argparse.ArgumentParser) -> None:
     """--rule: the verification rule when sampling."""
-    p.add_argument("--rule", choices=RULE_CHOICES, default="rejection",
+    p.add_argument("--rule", choices=RULES, default="rejection",
                    help="acceptance rule when sampling (both lossless; rejection accepts more)")
 
 
@@ -45,7 +43,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--target / --draft / --method / --block-size / --dtype: the arguments of loading.load_models."""
     add_target_flag(p)
     p.add_argument("--draft", default=None, help="draft directory (default: the embedded draft for --method)")
-    p.add_argument("--method", choices=METHOD_CHOICES, default="ar")
+    p.add_argument("--method", choices=METHODS, default="ar")
     p.add_argument("--block-size", type=int, default=None, help="run with a shorter block than trained")
     add_dtype_flag(p)
 

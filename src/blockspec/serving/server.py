@@ -20,16 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockspec.config import DraftConfig
-from blockspec.decoding.engine import Engine
+from blockspec.config import DRAFT_METHODS, DraftConfig
 from blockspec.decoding.cost_table import CostTable
+from blockspec.decoding.engine import Engine
 from blockspec.errors import BlockspecError
-from blockspec.loading import DRAFT_KINDS, load_models
+from blockspec.loading import load_models
 from blockspec.options import add_model_flags
 
 log = logging.getLogger(__name__)
 
-SPEC_METHODS = DRAFT_KINDS
 SPEC_CONFIG_KEYS = ("method", "model", "num_speculative_tokens")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -48,8 +47,8 @@ def speculative_config(text: str) -> dict[str, Any]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown keys {unknown} (supported: {', '.join(SPEC_CONFIG_KEYS)})")
     method = raw.get("method")
-    if method is not None and (not isinstance(method, str) or method.lower() not in SPEC_METHODS):
-        raise argparse.ArgumentTypeError(f"unknown method {method!r} (supported: {', '.join(SPEC_METHODS)})")
+    if method is not None and (not isinstance(method, str) or method.lower() not in DRAFT_METHODS):
+        raise argparse.ArgumentTypeError(f"unknown method {method!r} (supported: {', '.join(DRAFT_METHODS)})")
     model = raw.get("model")
     if model is not None and not isinstance(model, str):
         raise argparse.ArgumentTypeError("'model' must be a path string")
