@@ -17,10 +17,10 @@ from blockspec.bench.cli import add_bench_parser
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import generate
 from blockspec.decoding.cost_table import profile_cost_table
+from blockspec.decoding.output import TextTracker
 from blockspec.errors import BlockspecError
 from blockspec.loading import load_models
 from blockspec.models.checkpoint import load_draft, load_target, resolve_device, save_draft
-from blockspec.models.tokenizer import StreamDecoder
 from blockspec.options import (add_dataclass_flags, add_device_flag, add_dtype_flag, add_model_flags, add_rule_flag,
                                add_target_flag, dataclass_from_args)
 from blockspec.serving.server import add_serve_parser
@@ -53,19 +53,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     prompt_ids = tokenizer.encode(text)
-    stream = StreamDecoder(tokenizer)
+    stream = TextTracker(tokenizer, stops=[])
     if not args.chat:
         sys.stdout.write(args.prompt)
 
     def on_tokens(row: int, tokens: list[int]) -> None:
-        sys.stdout.write(stream.push(tokens))
+        sys.stdout.write(stream.push(tokens, final=False)[1])
         sys.stdout.flush()
 
     t0 = time.perf_counter()
     out = generate(models.target, [prompt_ids], params, draft=models.draft, method=args.method, rule=args.rule,
                    on_tokens=on_tokens, compile=args.compile)
     elapsed = time.perf_counter() - t0
-    sys.stdout.write("\n")
+    sys.stdout.write(stream.push([], final=True)[1] + "\n")
     if args.stats:
         c, t = out.completions[0], out.timing
         print(f"[{args.method}] {len(c.tokens)} tokens in {elapsed:.2f}s ({len(c.tokens) / elapsed:.1f} tok/s), "

@@ -62,21 +62,3 @@ class Tokenizer:
                                                               bos_token="", eos_token="")
         except jinja2.TemplateError as exc:
             raise BlockspecError(f"chat template failed: {exc}") from None
-
-
-class StreamDecoder:
-    """Turns a growing token list into text deltas, holding back partial UTF-8."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
-
-    def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
-            return ""
-        delta = text[len(self.emitted):]
-        self.emitted = text
-        return delta
