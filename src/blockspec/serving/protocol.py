@@ -17,7 +17,6 @@ from blockspec.decoding.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.models.tokenizer import Tokenizer
 
-GREEDY_EPS = 1e-5       # smaller temperatures are greedy (vLLM's rule): logits / T can overflow float32
 MIN_TOP_P = 1e-6        # float32 rounds a smaller top_p to 0, which would drop every token
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -223,9 +222,7 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 
 def sampling_params(req: SamplingFields, max_new: int, vocab_size: int, max_param: str) -> SamplingParams:
     """Map OpenAI fields onto SamplingParams, whose own validation names the bad field."""
-    temperature = 1.0 if req.temperature is None else req.temperature  # the OpenAI default
-    if 0 <= temperature < GREEDY_EPS:
-        temperature = 0.0
+    temperature = 1.0 if req.temperature is None else req.temperature  # the OpenAI default (below 1e-5: greedy)
     top_k = req.top_k or 0
     if top_k == -1 or top_k >= vocab_size:  # vLLM's "off"; k >= vocab keeps everything anyway
         top_k = 0
