@@ -44,7 +44,10 @@ def test_split_confidence_equals_the_heads_projection(with_markov):
     h, prev = torch.randn(3, 5, draft.config.hidden_size), torch.randint(0, target.config.vocab_size, (3, 5))
     embed = draft.markov_head.markov_w1(prev) if with_markov else None
     temps = torch.tensor(draft.config.confidence_temperatures)
-    want = torch.sigmoid(draft.confidence_head.logit(h, embed) / temps)
+    proj = draft.confidence_head.proj
+    want = torch.sigmoid(proj(h if embed is None else torch.cat([h, embed], dim=-1)).squeeze(-1) / temps)
+    torch.testing.assert_close(draft.confidence_logit(h, prev), draft.confidence_head.logit(h, embed))
+    torch.testing.assert_close(torch.sigmoid(draft.confidence_logit(h, prev) / temps), want)
     with torch.inference_mode():
         got = draft.confidence(h, prev)
         h_term, prev_term = draft.confidence_terms(h)
