@@ -39,7 +39,8 @@ def worker(kind: str, method: str, temperature: float, limit: int, new_tokens: i
         tokens = rounds = accepted = 0
         seconds = 0.0
         params = [SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=i) for i in range(limit)]
-        generate(target, [prompts[0]], SamplingParams(max_new_tokens=8), draft=draft, method=method)  # warm-up
+        warm = SamplingParams(max_new_tokens=16, temperature=temperature, seed=0)
+        generate(target, [prompts[0]], warm, draft=draft, method=method)  # warm-up: weights prepacked, paths taken
         for ids, p in zip(prompts[:limit], params):
             t0 = time.perf_counter()
             out = generate(target, [ids], p, draft=draft, method=method)
