@@ -11,7 +11,7 @@ from blockspec import cli
 
 SRC = Path(cli.__file__).resolve().parent
 COMMANDS = ["generate", "convert", "profile", "calibrate", "corpus", "regenerate", "train", "bench", "serve",
-            "pretrain"]
+            "pretrain", "launch-line"]
 
 
 def test_every_subcommand_is_registered():

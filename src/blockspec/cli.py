@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +20,7 @@ from blockspec.decoding.generate import generate
 from blockspec.decoding.cost_table import profile_cost_table
 from blockspec.decoding.output import TextTracker
 from blockspec.errors import BlockspecError
+from blockspec.interop import ENGINES, EngineCompatibilityWarning, launch_line, mask_token_of
 from blockspec.loading import load_models
 from blockspec.models.checkpoint import load_draft, load_target, resolve_device, save_draft
 from blockspec.options import (add_dataclass_flags, add_device_flag, add_dtype_flag, add_model_flags, add_rule_flag,
@@ -93,9 +95,29 @@ def cmd_convert(args: argparse.Namespace) -> None:
     """Load a draft in any supported format and save it (dtype change / normalised names)."""
     target = load_target(args.target) if args.target else None
     draft = load_draft(args.draft, target=target)
-    save_draft(draft, Path(args.out), dtype=args.dtype)
+    # The mask token's string, for SGLang's check (written only when the config has none).
+    mask = mask_token_of(Path(args.target), draft.config.mask_token_id) if args.target else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", EngineCompatibilityWarning)
+        save_draft(draft, Path(args.out), dtype=args.dtype, mask_token=mask)
+    for w in caught:  # engine warnings as CLI lines; anything else as Python shows it
+        if issubclass(w.category, EngineCompatibilityWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print(json.dumps({"out": args.out, "layout": draft.config.layout, "block_size": draft.config.block_size,
                       "dtype": args.dtype}))
+
+
+def cmd_launch_line(args: argparse.Namespace) -> None:
+    """Print the command that serves a draft with vLLM, SGLang or blockspec (notes on stderr)."""
+    line = launch_line(args.draft, args.engine, target=args.target, scheduled=args.scheduled)
+    for note in line.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if line.problems:
+        raise BlockspecError(f"{args.engine} cannot load this draft as saved: {'; '.join(line.problems)} "
+                             f"(blockspec serves it: blockspec launch-line {args.draft} --engine blockspec)")
+    print(line.shell())
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
@@ -165,6 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_flag(p, help="check the draft against this target")
     add_dtype_flag(p, default="bfloat16")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("launch-line", help="print the exact command that serves a draft in vLLM, SGLang or blockspec")
+    p.add_argument("draft", help="draft directory (z-lab DFlash or DeepSpec DSpark)")
+    p.add_argument("--engine", choices=ENGINES, required=True)
+    p.add_argument("--target", default=None,
+                   help="target directory: checks the pair and puts it in the line (else the placeholder TARGET)")
+    p.add_argument("--scheduled", action="store_true",
+                   help="confidence-based verification (blockspec --scheduled; vLLM enable_adaptive_verification)")
+    p.set_defaults(func=cmd_launch_line)
 
     p = sub.add_parser("profile", help="measure the verify cost table T(n) for DSpark scheduling")
     add_target_flag(p)

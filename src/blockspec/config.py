@@ -255,6 +255,31 @@ class SamplingParams:
 
 LAYOUTS = ("zlab", "deepspec")
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
+# DSpark head keys: DeepSpec files put them at top level; SpecForge's DSpark export nests
+# them in dflash_config (its configs/qwen3-8b-dspark.json).
+DRAFT_HEAD_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+_DFLASH_CONFIG_READ = {"mask_token_id", "target_layer_ids", "block_size", "mask_token", *DRAFT_HEAD_KEYS}
+
+
+def _draft_heads(raw: dict[str, Any], dflash: dict[str, Any], where: str) -> dict[str, Any]:
+    """The DSpark head keys of a draft config, top level or nested in dflash_config (None:
+    absent). A key given in both places with different values is refused."""
+    out: dict[str, Any] = {}
+    for key in DRAFT_HEAD_KEYS:
+        top, nested = raw.get(key), dflash.get(key)
+        _require(top is None or nested is None or top == nested,
+                 f"{where}: {key} is {top!r} at top level but {nested!r} in dflash_config")
+        out[key] = nested if nested is not None else top
+    if dflash.get("projector_type") == "dspark":
+        # SpecForge's defaults for keys its export leaves out (specforge/modeling/draft/dspark.py):
+        # the confidence head exists when trained (confidence_head_alpha > 0) and reads h only.
+        if out["enable_confidence_head"] is None:
+            alpha = dflash.get("confidence_head_alpha") or 0.0
+            _require(isinstance(alpha, (int, float)), f"{where}: confidence_head_alpha must be a number")
+            out["enable_confidence_head"] = alpha > 0
+        if out["confidence_head_with_markov"] is None:
+            out["confidence_head_with_markov"] = False
+    return out
 
 
 @dataclass(frozen=True)
@@ -285,6 +310,9 @@ class DraftConfig:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None
+    # The mask token's string, written next to mask_token_id when known: SGLang checks it
+    # against the tokenizer when the config names it (docs/serving.md, interop_engines.json).
+    mask_token: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -306,6 +334,8 @@ class DraftConfig:
         _require(self.markov_head_type in MARKOV_TYPES,
                  f"{where}: markov_head_type {self.markov_head_type!r} must be one of {MARKOV_TYPES}")
         _require(isinstance(self.markov_rank, int) and self.markov_rank >= 0, f"{where}: markov_rank must be >= 0")
+        _require(self.mask_token is None or (isinstance(self.mask_token, str) and self.mask_token != ""),
+                 f"{where}: mask_token must be a non-empty string, got {self.mask_token!r}")
         if self.confidence_temperatures is not None:
             _require(len(self.confidence_temperatures) == self.num_drafts
                      and all(t > 0 for t in self.confidence_temperatures),
@@ -335,11 +365,16 @@ class DraftConfig:
         archs = raw.get("architectures") or []
         dflash = raw.get("dflash_config") or {}
         _require(isinstance(dflash, dict), f"{where}: dflash_config must be an object")
+        dspark = _draft_heads(raw, dflash, where)
         layout = raw.get("blockspec_layout")
         if layout is None:
             # z-lab files always carry dflash_config; DeepSpec files put mask_token_id /
-            # target_layer_ids at top level (architectures: Qwen3DSparkModel).
-            if "markov_rank" in raw or "enable_confidence_head" in raw or any("DSpark" in a for a in archs):
+            # target_layer_ids at top level (architectures: Qwen3DSparkModel). SpecForge's
+            # DSpark export (architectures DSparkDraftModel) nests its heads in dflash_config
+            # and trains block slot k to predict anchor + k + 1: the DeepSpec layout.
+            if ("markov_rank" in raw or "enable_confidence_head" in raw or any("DSpark" in a for a in archs)
+                    or dflash.get("projector_type") == "dspark"
+                    or any(k in dflash for k in ("markov_rank", "enable_confidence_head"))):
                 layout = "deepspec"
             elif dflash:
                 layout = "zlab"
@@ -355,6 +390,7 @@ class DraftConfig:
         _require(layer_ids is not None, f"{where}: no target_layer_ids (expected in dflash_config)")
         block = raw.get("block_size", dflash.get("block_size"))
         _require(block is not None, f"{where}: no block_size")
+        mask_token = dflash.get("mask_token", raw.get("mask_token"))
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             _require(key in raw, f"{where}: missing required key '{key}'")
         layer_types = raw.get("layer_types") or []
@@ -369,7 +405,9 @@ class DraftConfig:
                  "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
                  "confidence_temperatures", "blockspec_layout", "mask_token_id", "target_layer_ids",
                  "torch_dtype", "dtype", "layer_types", "sliding_window", "tie_word_embeddings", "hidden_act",
-                 "attention_bias"}
+                 "attention_bias", "mask_token"}
+        # dflash_config keys blockspec does not read are kept for the round trip (to_dict).
+        dflash_rest = {k: v for k, v in dflash.items() if k not in _DFLASH_CONFIG_READ}
         _require(raw.get("hidden_act", "silu") == "silu", f"{where}: only silu draft MLPs are supported")
         _require(not raw.get("attention_bias", False), f"{where}: draft attention biases are not supported")
         return cls(
@@ -381,11 +419,13 @@ class DraftConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
             max_position_embeddings=raw.get("max_position_embeddings", 40960),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=RopeConfig.from_hf(raw, where),
-            markov_rank=raw.get("markov_rank", 0) or 0, markov_head_type=raw.get("markov_head_type", "vanilla"),
-            enable_confidence_head=bool(raw.get("enable_confidence_head", False)),
-            confidence_head_with_markov=bool(raw.get("confidence_head_with_markov", True)),
-            confidence_temperatures=raw.get("confidence_temperatures"),
-            extra={k: v for k, v in raw.items() if k not in known},
+            markov_rank=dspark["markov_rank"] or 0, markov_head_type=dspark["markov_head_type"] or "vanilla",
+            enable_confidence_head=bool(dspark["enable_confidence_head"] or False),
+            confidence_head_with_markov=bool(True if dspark["confidence_head_with_markov"] is None
+                                             else dspark["confidence_head_with_markov"]),
+            confidence_temperatures=raw.get("confidence_temperatures"), mask_token=mask_token,
+            extra={**{k: v for k, v in raw.items() if k not in known},
+                   **({"dflash_config": dflash_rest} if dflash_rest else {})},
         )
 
     @classmethod
@@ -394,9 +434,15 @@ class DraftConfig:
         return cls.from_dict(read_json(path, "draft config"), where=str(path))
 
     def to_dict(self) -> dict[str, Any]:
+        """config.json in the layout's format, with every key vLLM and SGLang read written out
+        (src/blockspec/interop_engines.json): an engine's default for a missing key can differ
+        from blockspec's (vLLM: confidence_head_with_markov false; SGLang: block_size 16)."""
+        extra = dict(self.extra)
+        dflash_rest = extra.pop("dflash_config", None) or {}
         out: dict[str, Any] = {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": self.block_size,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids},
+            "dflash_config": {**dflash_rest, "mask_token_id": self.mask_token_id,
+                              "target_layer_ids": self.target_layer_ids},
             "num_target_layers": self.num_target_layers, "num_hidden_layers": self.num_hidden_layers,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
@@ -406,19 +452,28 @@ class DraftConfig:
             "sliding_window": None, "tie_word_embeddings": False, "hidden_act": "silu",
             "attention_bias": False, "torch_dtype": "bfloat16",
         }
+        if self.mask_token is not None:
+            out["dflash_config"]["mask_token"] = self.mask_token
         if self.layout == "deepspec":
-            # DeepSpec layout: ids at top level, DSpark keys, no dflash_config.
+            # DeepSpec layout: ids at top level, no dflash_config (unless it keeps unread keys).
             del out["dflash_config"]
             out.update(architectures=["Qwen3DSparkModel"], mask_token_id=self.mask_token_id,
-                       target_layer_ids=self.target_layer_ids, markov_rank=self.markov_rank,
-                       enable_confidence_head=self.enable_confidence_head)
-            if self.markov_rank > 0:
-                out["markov_head_type"] = self.markov_head_type
-            if self.enable_confidence_head:
-                out["confidence_head_with_markov"] = self.confidence_head_with_markov
+                       target_layer_ids=self.target_layer_ids)
+            if self.mask_token is not None:
+                out["mask_token"] = self.mask_token
+            if dflash_rest:
+                out["dflash_config"] = dflash_rest
+        if self.layout == "deepspec" or self.is_dspark:
+            out.update(markov_rank=self.markov_rank, markov_head_type=self.markov_head_type,
+                       enable_confidence_head=self.enable_confidence_head,
+                       confidence_head_with_markov=self.confidence_head_with_markov)
             if self.confidence_temperatures is not None:
                 out["confidence_temperatures"] = self.confidence_temperatures
-        out.update(self.extra)
+        if self.layout == "zlab" and self.is_dspark:
+            # Heads on a z-lab block run in blockspec only; name the layout, since head keys
+            # alone read as DeepSpec (from_dict).
+            out["blockspec_layout"] = "zlab"
+        out.update(extra)
         return out
 
     def check_target(self, target: TargetConfig) -> None:

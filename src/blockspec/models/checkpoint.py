@@ -8,6 +8,8 @@ Draft checkpoints (z-lab / DeepSpec) share `read_tensors` / `write_tensors`.
 from __future__ import annotations
 
 import json
+import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from blockspec.config import DraftConfig, TargetConfig, read_json
+from blockspec.interop import EngineCompatibilityWarning, save_problems
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.layers import rope_inv_freq
@@ -166,7 +169,18 @@ def load_draft(directory: str | Path, dtype: str | torch.dtype = "float32", devi
     return model
 
 
-def save_draft(model: DraftModel, directory: str | Path, dtype: str | torch.dtype | None = None) -> None:
+def save_draft(model: DraftModel, directory: str | Path, dtype: str | torch.dtype | None = None,
+               mask_token: str | None = None) -> None:
+    """Write the draft in its layout's format (z-lab DFlash / DeepSpec DSpark) with every key
+    vLLM and SGLang read; `mask_token` (the mask id's string in the target tokenizer) is
+    written when the config has none. Warns (EngineCompatibilityWarning) for each thing an
+    engine's loader cannot load: interop_engines.json, docs/serving.md."""
     torch_dtype = parse_dtype(dtype) if dtype is not None else model.dtype
     tensors = {k: v.detach().to(torch_dtype).cpu() for k, v in model.state_dict().items()}
-    save_checkpoint(directory, model.config.to_dict(), tensors, torch_dtype)
+    cfg = model.config
+    if mask_token is not None and cfg.mask_token is None:
+        cfg = replace(cfg, mask_token=mask_token)
+    config = cfg.to_dict()
+    save_checkpoint(directory, config, tensors, torch_dtype)
+    for problem in save_problems(config, {k: tuple(v.shape) for k, v in tensors.items()}):
+        warnings.warn(f"saved draft {directory}: {problem}", EngineCompatibilityWarning, stacklevel=2)

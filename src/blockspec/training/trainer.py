@@ -28,6 +28,7 @@ from blockspec.config import DRAFT_METHODS, DraftConfig, SamplingParams
 from blockspec.decoding.acceptance import AcceptanceStats
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
+from blockspec.interop import mask_token_of
 from blockspec.models.checkpoint import (load_draft, load_target, read_tensors, resolve_device, save_draft,
                                         write_tensors)
 from blockspec.models.draft import DraftModel
@@ -246,6 +247,7 @@ def train(cfg: TrainConfig) -> dict:
     tokenizer = Tokenizer(cfg.target)
     if tokenizer.mask_token_id is None:
         raise BlockspecError("train: the target's tokenizer has no mask_token; add a reserved <|mask|> token")
+    mask_token = mask_token_of(Path(cfg.target), tokenizer.mask_token_id)  # written next to its id (SGLang)
     if cfg.init_from:
         draft = load_draft(cfg.init_from, target=target).requires_grad_(True)
     else:
@@ -316,7 +318,7 @@ def train(cfg: TrainConfig) -> dict:
             if rank == 0 and (step % cfg.eval_every == 0 or step == total):
                 record["eval"] = evaluate_acceptance(draft, target, held_out, cfg.eval_new_tokens)
                 history.append([step, record["eval"]["tau"]])
-                save_draft(draft, out / "draft", dtype="bfloat16")
+                save_draft(draft, out / "draft", dtype="bfloat16", mask_token=mask_token)
                 state.mkdir(parents=True, exist_ok=True)
                 write_tensors(state, {k: v.detach().cpu() for k, v in draft.state_dict().items()})
                 torch.save(opt.state_dict(), state / "optimizer.pt")

@@ -1,0 +1,183 @@
+"""`blockspec launch-line`: the printed lines parse with the flags they name. vLLM's and SGLang's
+are parsed with a parser built from the flags recorded in interop_engines.json (the engines are
+not installed here); blockspec's with `serve`'s own parser, and the server starts with it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from blockspec.cli import main
+from blockspec.interop import engine_table, launch_line
+from blockspec.models.checkpoint import save_draft
+from conftest import make_draft, write_tiny_target_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
+from serving_harness import KEY, serve_args, start  # noqa: E402
+from blockspec.serving.server import build_engine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("launch")
+    target = write_tiny_target_dir(root / "target")
+    drafts = {
+        "dflash": make_draft(target, "zlab", 4),
+        "dspark": make_draft(target, "deepspec", 5, markov_rank=8, confidence=True),
+        "gated": make_draft(target, "deepspec", 5, markov_rank=8, markov_type="gated"),
+    }
+    for name, draft in drafts.items():
+        save_draft(draft, root / name)
+    return root
+
+
+def recorded_parser(engine: str) -> argparse.ArgumentParser:
+    """An argparse parser that knows exactly the flags the table records for `engine`."""
+    spec = engine_table()["command_lines"][engine]
+    parser = argparse.ArgumentParser(prog=" ".join(spec["program"]), exit_on_error=False)
+    for name in spec["positional"]:
+        parser.add_argument(name)
+    for flag, info in spec["flags"].items():
+        kind = {"json": json.loads, "int": int, "str": str}[info["type"]]
+        parser.add_argument(flag, type=kind, choices=info.get("choices"), required=info.get("required", False))
+    return parser
+
+
+def parse_printed(engine: str, printed: str) -> tuple[dict[str, str], argparse.Namespace]:
+    words = shlex.split(printed)
+    env = {}
+    while "=" in words[0] and not words[0].startswith("-"):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    program = engine_table()["command_lines"][engine]["program"]
+    assert words[:len(program)] == program
+    args = recorded_parser(engine).parse_args(words[len(program):])  # unknown flags fail here
+    return env, args
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out.strip(), err
+
+
+def check_speculative_config(config: dict) -> None:
+    keys = engine_table()["command_lines"]["vllm"]["speculative_config_keys"]
+    for key, value in config.items():
+        assert key in keys, key
+        kind = {"str": str, "int": int, "bool": bool}[keys[key]["type"]]
+        assert isinstance(value, kind), key
+        assert value in keys[key].get("choices", [value])
+
+
+@pytest.mark.parametrize("draft, method, window", [("dflash", "dflash", 3), ("dspark", "dspark", 5)])
+def test_vllm_line(models, capsys, draft, method, window):
+    code, out, err = run_cli(capsys, "launch-line", str(models / draft), "--engine", "vllm",
+                             "--target", str(models / "target"))
+    assert code == 0, err
+    env, args = parse_printed("vllm", out)
+    assert args.model == str(models / "target")
+    config = args.speculative_config
+    check_speculative_config(config)
+    # z-lab block 4 = anchor + 3 drafts; DeepSpec gamma 5 drafts
+    assert config == {"method": method, "model": str(models / draft), "num_speculative_tokens": window}
+    if method == "dflash":
+        assert args.attention_backend == "flash_attn" and env == {}
+    else:
+        assert env == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+        assert "uses the confidence head only with adaptive verification" in err
+
+
+@pytest.mark.parametrize("draft, algorithm, tokens", [("dflash", "DFLASH", 4), ("dspark", "DSPARK", 6),
+                                                      ("gated", "DSPARK", 6)])
+def test_sglang_line(models, capsys, draft, algorithm, tokens):
+    code, out, err = run_cli(capsys, "launch-line", str(models / draft), "--engine", "sglang",
+                             "--target", str(models / "target"))
+    assert code == 0, err
+    env, args = parse_printed("sglang", out)
+    assert env == {} and args.model_path == str(models / "target")
+    assert args.speculative_algorithm == algorithm
+    assert args.speculative_draft_model_path == str(models / draft)
+    assert args.speculative_num_draft_tokens == tokens  # z-lab: block_size; DSpark: gamma + 1
+
+
+def test_vllm_refuses_a_gated_head_in_one_line(models, capsys):
+    code, out, err = run_cli(capsys, "launch-line", str(models / "gated"), "--engine", "vllm")
+    assert code == 2 and out == ""
+    error = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "builds only the vanilla Markov head" in error[0]
+    assert "--engine blockspec" in error[0]
+
+
+def test_scheduled_asks_for_adaptive_verification(models, capsys):
+    code, out, _ = run_cli(capsys, "launch-line", str(models / "dspark"), "--engine", "vllm", "--scheduled")
+    assert code == 0
+    _, args = parse_printed("vllm", out)
+    assert args.speculative_config["enable_adaptive_verification"] is True
+    check_speculative_config(args.speculative_config)
+    code, _, err = run_cli(capsys, "launch-line", str(models / "dflash"), "--engine", "vllm", "--scheduled")
+    assert code == 2 and "needs a draft with a confidence head" in err
+
+
+def test_without_target_the_line_names_a_placeholder(models, capsys):
+    code, out, err = run_cli(capsys, "launch-line", str(models / "dflash"), "--engine", "sglang")
+    assert code == 0
+    _, args = parse_printed("sglang", out)
+    assert args.model_path == "TARGET" and "replace TARGET" in err
+
+
+def test_mismatched_target_is_refused(models, tmp_path, capsys):
+    write_tiny_target_dir(tmp_path / "other", vocab=80)
+    code, _, err = run_cli(capsys, "launch-line", str(models / "dflash"), "--engine", "vllm",
+                           "--target", str(tmp_path / "other"))
+    assert code == 2 and "vocab_size" in err
+
+
+def test_mask_token_disagreeing_with_the_tokenizer_is_reported_for_sglang(models, tmp_path):
+    raw = json.loads((models / "dflash" / "config.json").read_text())
+    raw["dflash_config"]["mask_token"] = "<|pad|>"
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps(raw))
+    (draft / "model.safetensors").write_bytes((models / "dflash" / "model.safetensors").read_bytes())
+    line = launch_line(draft, "sglang", target=models / "target")
+    assert any("maps id 62 to '<|mask|>'" in p for p in line.problems)
+    assert launch_line(draft, "sglang").problems == []  # nothing to compare without the tokenizer
+
+
+def test_convert_writes_the_mask_token_and_warns_on_a_cli_line(models, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "convert", "--draft", str(models / "dflash"), "--out", str(tmp_path / "a"),
+                           "--target", str(models / "target"))
+    assert code == 0 and "warning:" not in err
+    raw = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert raw["dflash_config"]["mask_token"] == "<|mask|>" and raw["dflash_config"]["mask_token_id"] == 62
+    code, _, err = run_cli(capsys, "convert", "--draft", str(models / "gated"), "--out", str(tmp_path / "b"))
+    warned = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert code == 0 and len(warned) == 1 and "vllm 0.33.0 builds only the vanilla Markov head" in warned[0]
+
+
+@pytest.mark.parametrize("draft", ["dflash", "dspark"])
+def test_blockspec_line_parses_with_serve_and_the_server_starts(models, capsys, draft):
+    code, out, err = run_cli(capsys, "launch-line", str(models / draft), "--engine", "blockspec",
+                             "--target", str(models / "target"))
+    assert code == 0, err
+    words = shlex.split(out)
+    assert words[:2] == ["blockspec", "serve"]
+    args = serve_args(*words[2:])  # serve's own parser
+    engine, tokenizer, _ = build_engine(args)
+    assert engine.method == draft and engine.draft is not None
+    ctx, url = start(engine, tokenizer)
+    try:
+        reply = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                           json={"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] != ""
+    finally:
+        ctx.__exit__(None, None, None)
