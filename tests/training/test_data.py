@@ -38,3 +38,20 @@ def test_corpus_prompts_are_reproducible_and_extend(corpus):
 def test_corpus_without_train_split_is_refused(tmp_path, corpus):
     with pytest.raises(BlockspecError, match="train.jsonl"):
         load_prompts(str(tmp_path), Tokenizer(corpus / "target"), 4)
+
+
+def test_jsonl_prompts_keep_bos_when_cut_and_chat_rows_get_no_second_one(tmp_path):
+    from chat_helpers import CHATS, write_chat_tokenizer
+    tok = Tokenizer(write_chat_tokenizer(tmp_path / "tok", "mistral"))
+    bos = tok.bos_token_id
+    rows = [{"prompt": "x" * 50}, {"messages": CHATS["single"]}, {"messages": [{"role": "user"}]}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    long, chat = load_prompts(str(path), tok, 2, max_tokens=20)
+    assert long == [bos] + tok.encode("x" * 50)[-19:] and len(long) == 20   # the end, after its BOS
+    full = tok.encode_chat(CHATS["single"])
+    assert full.count(bos) == 1 and len(full) > 20 and chat == [bos] + full[-19:]
+    assert load_prompts(str(path), tok, 2, max_tokens=len(full))[1] == full
+    path.write_text(json.dumps(rows[2]) + "\n")
+    with pytest.raises(BlockspecError, match=r"p.jsonl:1: chat template failed"):
+        load_prompts(str(path), tok, 1)

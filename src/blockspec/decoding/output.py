@@ -54,53 +54,142 @@ class Delta:
 
 
 class TextTracker:
-    """Incremental detokenisation of one request, with stop strings.
+    """Incremental detokenisation of one request, with stop strings, in bounded work per push.
 
-    Text (and, when stop strings are set, tokens) that could still turn out to
-    be the start of a stop string is held back; on a hit, tokens and text are
-    cut where the stop string begins."""
+    Text (and, when stop strings are set, tokens) that could still turn out to be the start of a
+    stop string is held back; on a hit, tokens and text are cut where the stop string begins.
+    The result is exactly what decoding the whole output every push would give (the rule kept
+    in tests/decoding/test_output.py as the reference), at a cost that does not grow with it:
+
+    - decoding: as vLLM / transformers' TextStreamer, only a window of the latest tokens is
+      decoded, ids[prefix:], and the text of ids[prefix:read] (final already) is cut off its
+      front; the window starts one push back so decoders that treat a first token specially
+      (SentencePiece's leading space) decode it as mid-text. `read` advances to the last token
+      whose text can no longer change (it does not end in an incomplete UTF-8 character);
+    - stop strings: searched only in text that is new or still pending plus the longest stop's
+      length before it (a stop lying wholly in text already searched would have been found);
+    - held-back tokens: the text length after each unsent token is kept, so cutting tokens at
+      a character needs no decoding.
+    """
 
     def __init__(self, tokenizer: Detokenizer, stops: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.ids: list[int] = []
-        self.text = ""          # the request's text so far (cut at a stop string)
         self.sent_tokens = 0
         self.sent_chars = 0
+        self.stopped = False            # a stop string ended the text
+        self._prefix = 0                # the decoding window starts at this token ...
+        self._read = 0                  # ... and the text of ids[:read] is final
+        self._prefix_text = ""          # decode(ids[prefix:read])
+        self._archive: list[str] = []   # final text before char `_base`: never looked at again
+        self._base = 0
+        self._recent = ""               # final text from `_base` to the text of ids[:read]
+        self._pending = ""              # text of ids[read:] (may change as tokens arrive)
+        self._searched = 0              # final text up to here has been searched for stops
+        self._lens: list[tuple[int, int]] = []  # (k, len(text of ids[:k])) for unsent tokens k (stops only)
+
+    @property
+    def text(self) -> str:
+        """The request's text so far (cut at a stop string)."""
+        return "".join(self._archive) + self._recent + self._pending
 
     def push(self, new_ids: list[int], final: bool) -> tuple[list[int], str, bool]:
         """Add tokens; return (token delta, text delta, stop string hit)."""
+        if self.stopped:
+            return [], "", True
+        first_new = len(self.ids) + 1
         self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids)
-        cut = self._find_stop(text)
+        window: dict[int, str] = {}
+        if new_ids:
+            self._pending = self._window_at(window, len(self.ids))[len(self._prefix_text):]
+            if self.stops:
+                final_len = self._base + len(self._recent) - len(self._prefix_text)
+                for k in range(first_new, len(self.ids) + 1):
+                    self._lens.append((k, final_len + len(self._window_at(window, k))))
+        tail = self._recent + self._pending          # the text from char `_base` on
+        cut = self._find_stop(tail)
         if cut is not None:
-            del self.ids[self._tokens_within(cut):]
-            text, final = text[:cut], True
-        self.text = text
+            keep = self._tokens_within(cut)
+            del self.ids[keep:]
+            self._lens = [(k, n) for k, n in self._lens if k <= keep]
+            tail, final, self.stopped = tail[:cut - self._base], True, True
+            self._recent, self._pending = tail, ""
+        end = self._base + len(tail)
         if final:
-            safe_chars, safe_tokens = len(text), len(self.ids)
+            safe_chars, safe_tokens = end, len(self.ids)
         else:
-            safe_chars = len(text) - self.hold
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
-                safe_chars = min(safe_chars, len(text.rstrip("\ufffd")))
+            safe_chars = end - self.hold
+            if tail.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
+                safe_chars = min(safe_chars, self._base + len(tail.rstrip("\ufffd")))
             safe_chars = max(safe_chars, self.sent_chars)
             safe_tokens = self._tokens_within(safe_chars) if self.stops else len(self.ids)
         tokens = self.ids[self.sent_tokens:safe_tokens]
-        delta = text[self.sent_chars:safe_chars]
+        delta = tail[self.sent_chars - self._base:safe_chars - self._base]
         self.sent_tokens = max(self.sent_tokens, safe_tokens)
         self.sent_chars = max(self.sent_chars, safe_chars)
+        self._lens = [(k, n) for k, n in self._lens if k > self.sent_tokens]
+        if not self.stopped:
+            self._advance(window)
+        self._searched = self._base + len(self._recent)
+        self._trim()
         return tokens, delta, cut is not None
 
-    def _find_stop(self, text: str) -> int | None:
-        start = max(0, self.sent_chars - self.hold)
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return max(min(hits), self.sent_chars) if hits else None
+    def _window_text(self, k: int) -> str:
+        return self.tokenizer.decode(self.ids[self._prefix:k])
+
+    def _window_at(self, window: dict[int, str], k: int) -> str:
+        """The window's text up to token k, decoded once per push."""
+        if k not in window:
+            window[k] = self._window_text(k)
+        return window[k]
+
+    def _advance(self, window: dict[int, str]) -> None:
+        """Move `read` to the last token whose text is final: the window's text up to it is a prefix
+        of the whole window's and does not end in a replacement character, or is followed by more
+        text (then whatever it ended with was not the start of a longer character)."""
+        whole = window.get(len(self.ids))
+        if whole is None or len(self.ids) == self._read:
+            return
+        stable = None
+        if not whole.endswith("\ufffd"):
+            stable = len(self.ids)
+        else:
+            for j in range(len(self.ids) - 1, self._read, -1):
+                text_j = self._window_at(window, j)
+                if whole.startswith(text_j) and (not text_j.endswith("\ufffd") or len(whole) > len(text_j)):
+                    stable = j
+                    break
+        if stable is None:
+            return
+        newly_final = window[stable][len(self._prefix_text):]
+        self._recent += newly_final
+        self._pending = self._pending[len(newly_final):]
+        self._prefix, self._read = self._read, stable
+        self._prefix_text = self._window_text(self._read)
+
+    def _trim(self) -> None:
+        """Archive the final text that neither stop search nor deltas will look at again."""
+        keep_from = max(self._base, min(self.sent_chars, self._searched) - self.hold)
+        if keep_from > self._base:
+            cut = keep_from - self._base
+            self._archive.append(self._recent[:cut])
+            self._recent, self._base = self._recent[cut:], keep_from
+
+    def _find_stop(self, tail: str) -> int | None:
+        """Where the first stop string starts (>= the text already sent), or None."""
+        if not self.stops:
+            return None
+        start = max(self.sent_chars, self._searched) - self.hold
+        start = max(start, self._base, 0)
+        hits = [i for i in (tail.find(s, start - self._base) for s in self.stops) if i >= 0]
+        return max(min(hits) + self._base, self.sent_chars) if hits else None
 
     def _tokens_within(self, chars: int) -> int:
         """Most tokens (>= those already sent) whose text fits in the first `chars` characters."""
-        for k in range(len(self.ids), self.sent_tokens, -1):
-            if len(self.tokenizer.decode(self.ids[:k])) <= chars:
+        for k, length in reversed(self._lens):
+            if k > self.sent_tokens and length <= chars:
                 return k
         return self.sent_tokens
 

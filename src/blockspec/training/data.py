@@ -47,16 +47,32 @@ def load_prompts(source: str, tokenizer: Tokenizer, limit: int, seed: int = 0,
             prompts.append(ids[start:start + length])
         return prompts
     texts = [text for _, text in read_prompt_jsonl(path, tokenizer)]
-    return [tokenizer.encode(text)[-max_tokens:] for text in texts[:limit]]
+    return [_keep_end(tokenizer.encode(text), max_tokens, tokenizer.bos_token_id) for text in texts[:limit]]
+
+
+def _keep_end(ids: list[int], max_tokens: int, bos: int | None) -> list[int]:
+    """The last `max_tokens` ids (what the model continues), keeping a leading BOS: models trained
+    with one (Llama, Mistral) are off their distribution without it."""
+    if len(ids) <= max_tokens:
+        return ids
+    if bos is not None and ids[0] == bos and max_tokens > 1:
+        return [bos] + ids[len(ids) - max_tokens + 1:]
+    return ids[-max_tokens:]
 
 
 def _row_text(row: Any, tokenizer: Tokenizer | None, where: str) -> str:
+    """A row's prompt text. Chat rows come back as the tokenizer's RenderedChat, exactly as
+    transformers renders them (with a generation prompt), which `Tokenizer.encode` encodes without
+    adding special tokens (the template wrote them)."""
     if isinstance(row, dict) and "messages" in row:
         if not isinstance(row["messages"], list):
             raise BlockspecError(f"{where}: 'messages' must be a list of {{role, content}} objects")
         if tokenizer is None:
             raise BlockspecError(f"{where}: 'messages' rows need a tokenizer (for the chat template)")
-        return tokenizer.apply_chat_template(row["messages"])
+        try:
+            return tokenizer.apply_chat_template(row["messages"])
+        except BlockspecError as exc:
+            raise BlockspecError(f"{where}: {exc}") from None
     if isinstance(row, dict):
         for key in ("prompt", "text"):
             if isinstance(row.get(key), str):
