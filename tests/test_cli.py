@@ -22,8 +22,11 @@ def test_every_subcommand_is_registered():
 
 def test_model_flags_defaults():
     args = cli.build_parser().parse_args(["generate", "hi"])
-    assert (args.target, args.draft, args.method, args.block_size, args.dtype) == (None, None, "ar", None, "float32")
-    assert args.rule == "rejection" and args.max_new_tokens == 128 and args.stats
+    # dtype None: auto on a GPU, float32 on the CPU; sampling flags None: generation_config.json's, then built-ins.
+    assert (args.target, args.draft, args.method, args.block_size, args.dtype, args.device) == \
+        (None, None, "ar", None, None, "auto")
+    assert args.rule == "rejection" and args.max_new_tokens is None and args.temperature is None and args.stats
+    assert not args.allow_nonfinite_weights
     args = cli.build_parser().parse_args(["generate", "hi", "--method", "dspark", "--block-size", "3",
                                           "--dtype", "bfloat16", "--rule", "match"])
     assert (args.method, args.block_size, args.dtype, args.rule) == ("dspark", 3, "bfloat16", "match")
@@ -31,14 +34,16 @@ def test_model_flags_defaults():
 
 def test_serve_method_defaults_to_none():
     args = cli.build_parser().parse_args(["serve"])
-    assert args.method is None and args.dtype == "float32" and args.port == 8000
+    assert args.method is None and args.dtype is None and args.device == "auto" and args.port == 8000
 
 
 @pytest.mark.parametrize("argv, expected", [
     (["convert", "--draft", "d", "--out", "o"], {"dtype": "bfloat16", "target": None}),
-    (["profile"], {"dtype": "float32", "target": None, "draft": None, "out": "cost_table.json"}),
-    (["regenerate", "--prompts", "p", "--out", "o"], {"dtype": "float32", "device": "auto", "seed": 0}),
-    (["calibrate", "--draft", "d", "--prompts", "p"], {"target": None, "seed": 123, "num_prompts": 64}),
+    (["profile"], {"dtype": None, "device": "auto", "target": None, "draft": None, "out": "cost_table.json"}),
+    (["regenerate", "--prompts", "p", "--out", "o"], {"dtype": None, "device": "auto", "seed": 0}),
+    (["calibrate", "--draft", "d", "--prompts", "p"], {"target": None, "seed": 123, "num_prompts": 64,
+                                                       "dtype": None, "device": "auto"}),
+    (["train"], {"device": "auto", "dtype": ""}),
 ])
 def test_per_command_defaults(argv, expected):
     args = cli.build_parser().parse_args(argv)

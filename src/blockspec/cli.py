@@ -22,9 +22,9 @@ from blockspec.decoding.output import TextTracker
 from blockspec.errors import BlockspecError
 from blockspec.interop import ENGINES, EngineCompatibilityWarning, launch_line, mask_token_of
 from blockspec.loading import load_models
-from blockspec.models.checkpoint import load_draft, load_target, resolve_device, save_draft
-from blockspec.options import (add_dataclass_flags, add_device_flag, add_dtype_flag, add_model_flags, add_rule_flag,
-                               add_target_flag, dataclass_from_args)
+from blockspec.models.checkpoint import load_draft, load_target, save_draft
+from blockspec.options import (add_chat_template_flag, add_dataclass_flags, add_dtype_flag, add_load_flags,
+                               add_model_flags, add_rule_flag, add_target_flag, dataclass_from_args, load_options)
 from blockspec.serving.server import add_serve_parser
 from blockspec.training.calibrate import collect_rollouts, fit_sts, save_temperatures
 from blockspec.training.corpus import build_corpus, train_tokenizer
@@ -45,16 +45,19 @@ def cmd_corpus(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens)
     if args.compile and args.method != "ar":
         raise BlockspecError("--compile applies to --method ar (speculative rounds run eagerly)")
-    models = load_models(args.target, args.draft, args.method, block_size=args.block_size, dtype=args.dtype)
+    models = load_models(args.target, args.draft, args.method, block_size=args.block_size,
+                         chat_template=args.chat_template, **load_options(args))
+    # Flags not given fall back to the checkpoint's generation_config.json, then SamplingParams' own defaults.
+    params = models.generation_defaults.sampling_params(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        max_new_tokens=args.max_new_tokens)
+    params.check_vocab(models.target.config.vocab_size)
     tokenizer = models.tokenizer
-    text = args.prompt
-    if args.chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    prompt_ids = tokenizer.encode(text)
+    # A chat prompt carries the template's special tokens; a plain one gets the tokenizer's (BOS).
+    prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
+                  else tokenizer.encode(args.prompt))
     stream = TextTracker(tokenizer, stops=[])
     if not args.chat:
         sys.stdout.write(args.prompt)
@@ -78,7 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> None:
-    models = load_models(args.target, dtype=args.dtype, device=resolve_device(args.device))
+    models = load_models(args.target, chat_template=args.chat_template, **load_options(args))
     prompts = load_prompts(args.prompts, models.tokenizer, args.num_prompts, seed=args.seed)
     n = regenerate(models.target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                    temperature=args.temperature, seed=args.seed)
@@ -93,8 +96,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     """Load a draft in any supported format and save it (dtype change / normalised names)."""
-    target = load_target(args.target) if args.target else None
-    draft = load_draft(args.draft, target=target)
+    target = load_target(args.target, device="cpu") if args.target else None
+    draft = load_draft(args.draft, device="cpu", target=target)
     # The mask token's string, for SGLang's check (written only when the config has none).
     mask = mask_token_of(Path(args.target), draft.config.mask_token_id) if args.target else None
     with warnings.catch_warnings(record=True) as caught:
@@ -122,12 +125,14 @@ def cmd_launch_line(args: argparse.Namespace) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> None:
     """Measure the verify cost table T(n) that DSpark's scheduler plans with."""
-    target = load_target(Path(args.target) if args.target else embedded.default_target(), dtype=args.dtype)
+    opts = load_options(args)
+    target = load_target(Path(args.target) if args.target else embedded.default_target(), **opts)
     ns = [int(x) for x in args.tokens.split(",")] if args.tokens else list(range(1, args.max_tokens + 1))
     draft = None
     if args.draft is not None:
         draft_dir = embedded.default_draft("dspark") if args.draft == "embedded" else Path(args.draft)
-        draft = load_draft(draft_dir, dtype=args.dtype, target=target)
+        draft = load_draft(draft_dir, device=target.device, target=target,
+                           allow_nonfinite=opts["allow_nonfinite"])
     draft_rows = [int(x) for x in args.draft_rows.split(",")] if args.draft_rows else None
     table = profile_cost_table(target, ns, repeats=args.repeats, rows=args.rows, context=args.context,
                                capture=tuple(draft.config.target_layer_ids) if draft is not None else (),
@@ -145,7 +150,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     """Fit per-slot confidence temperatures (STS) on held-out rollouts; report before / after."""
-    models = load_models(args.target, args.draft, "dspark")
+    models = load_models(args.target, args.draft, "dspark", **load_options(args))
     target, draft = models.target, models.draft
     prompts = load_prompts(args.prompts, models.tokenizer, args.num_prompts, seed=args.seed)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -169,10 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text (streams to the terminal)")
     p.add_argument("prompt")
     add_model_flags(p)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    # Sampling flags default to the checkpoint's generation_config.json (as vLLM), then to
+    # greedy / 128 tokens (SamplingParams' defaults).
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: generation_config.json's max_new_tokens, else 128")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: generation_config.json's temperature, else 0)")
+    p.add_argument("--top-p", type=float, default=None, help="default: generation_config.json's, else 1.0")
+    p.add_argument("--top-k", type=int, default=None, help="0 = off (default: generation_config.json's, else 0)")
     p.add_argument("--seed", type=int, default=None)
     add_rule_flag(p)
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
@@ -185,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True)
     p.add_argument("--out", required=True)
     add_target_flag(p, help="check the draft against this target")
-    add_dtype_flag(p, default="bfloat16")
+    add_dtype_flag(p, default="bfloat16", help="dtype of the saved draft (default bfloat16)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("launch-line", help="print the exact command that serves a draft in vLLM, SGLang or blockspec")
@@ -205,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    add_dtype_flag(p)
+    add_load_flags(p)
     p.add_argument("--draft", default=None,
                    help="also time draft rounds of this draft ('embedded' = the shipped DSpark draft), so the "
                         "scheduled engine can skip drafting when a plain AR round is faster")
@@ -222,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=123)
     p.add_argument("--dry-run", action="store_true", help="report only, do not write the temperatures")
     p.add_argument("--force", action="store_true", help="write the temperatures even if held-out ECE does not improve")
+    add_load_flags(p)
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("corpus", help="build the offline Python code corpus (+ BPE tokenizer)")
@@ -235,13 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help="jsonl of prompt/text/messages, or a corpus directory")
     p.add_argument("--out", required=True)
     add_target_flag(p)
+    add_chat_template_flag(p)   # renders the 'messages' rows
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    add_dtype_flag(p)
-    add_device_flag(p)
+    add_load_flags(p)
     p.set_defaults(func=cmd_regenerate)
 
     p = sub.add_parser("train", help="train a DFlash or DSpark drafter (also under torchrun)")

@@ -20,7 +20,7 @@ from typing import Any
 from blockspec.errors import BlockspecError
 
 SUPPORTED_TARGET_TYPES = ("qwen3", "llama", "qwen2", "mistral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 # Decoding methods: plain AR, DFlash drafts, DSpark drafts (docs/design.md sections 3 and 5).
 DRAFT_METHODS = ("dflash", "dspark")
 METHODS = ("ar", *DRAFT_METHODS)
@@ -47,9 +47,21 @@ def _require(cond: bool, msg: str) -> None:
         raise BlockspecError(msg)
 
 
+# Upper bounds far above any released model (Llama-3.1-405B: 126 layers, hidden 16384,
+# intermediate 53248; Gemma: 262k vocabulary; Llama 4: 10M context), so a config asking
+# for more is corrupt or hostile: refused by name before anything is sized or allocated.
+LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+          "num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+          "head_dim": 4096, "max_position_embeddings": 1 << 26, "num_target_layers": 4096,
+          "block_size": 1024, "markov_rank": 1 << 16}
+
+
 def _positive_int(name: str, value: Any, where: str) -> int:
     _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
              f"{where}: '{name}' must be a positive integer, got {value!r}")
+    limit = LIMITS.get(name)
+    _require(limit is None or value <= limit,
+             f"{where}: '{name}' = {value} is absurd (the limit is {limit}); the config is corrupt")
     return value
 
 
@@ -60,7 +72,14 @@ def _check_model_type(model_type: Any, where: str) -> None:
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding parameters (neox style)."""
+    """Rotary embedding parameters (neox style), as transformers' `rope_parameters`.
+
+    Types (transformers' modeling_rope_utils): default, linear (positions / factor),
+    dynamic (NTK: the base grows with the sequence length beyond
+    max_position_embeddings), yarn (NTK-by-parts + attention_factor on cos/sin),
+    llama3 (frequency-dependent), longrope (short / long per-frequency factors,
+    chosen by the sequence length). `max_position_embeddings` is the model's
+    (dynamic and longrope read it)."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -68,6 +87,15 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    max_position_embeddings: int | None = None
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
     where: InitVar[str] = "rope config"
 
     def __post_init__(self, where: str) -> None:
@@ -76,23 +104,101 @@ class RopeConfig:
                  f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         _require(isinstance(self.theta, (int, float)) and self.theta > 0, f"{where}: rope_theta must be > 0")
         object.__setattr__(self, "theta", float(self.theta))
+        if self.rope_type != "default":
+            _require(isinstance(self.factor, (int, float)) and self.factor > 0,
+                     f"{where}: rope factor must be > 0 for rope type '{self.rope_type}', got {self.factor!r}")
+        if self.rope_type in ("llama3", "yarn", "longrope"):
+            _positive_int("original_max_position_embeddings", self.original_max_position_embeddings, where)
+        if self.rope_type == "llama3":
+            _require(self.high_freq_factor != self.low_freq_factor,
+                     f"{where}: llama3 rope needs high_freq_factor != low_freq_factor")
+        if self.rope_type == "dynamic":
+            _require(self.max_position_embeddings is not None,
+                     f"{where}: dynamic rope needs max_position_embeddings")
+        if self.rope_type == "longrope":
+            _require(self.short_factor is not None and self.long_factor is not None,
+                     f"{where}: longrope needs short_factor and long_factor lists")
+            _require(self.max_position_embeddings is not None,
+                     f"{where}: longrope needs max_position_embeddings")
+            for name in ("short_factor", "long_factor"):
+                object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
+
+    @property
+    def length_dependent(self) -> bool:
+        """True when a token's rotation depends on the sequence length it was run with
+        (dynamic, longrope), not on its position alone."""
+        return self.rope_type in ("dynamic", "longrope")
+
+    def check_head_dim(self, head_dim: int, where: str) -> None:
+        if self.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                _require(len(getattr(self, name)) == head_dim // 2,
+                         f"{where}: longrope {name} must hold head_dim/2 = {head_dim // 2} values, "
+                         f"got {len(getattr(self, name))}")
+        if self.rope_type == "dynamic":
+            _require(head_dim > 2, f"{where}: dynamic rope needs head_dim > 2")
+
+    def max_positions(self, max_position_embeddings: int) -> int:
+        """Positions the scaled RoPE supports, as vLLM derives a model's length: yarn
+        original_max_position_embeddings x factor; linear and dynamic
+        max_position_embeddings x factor; otherwise max_position_embeddings."""
+        if self.rope_type == "yarn":
+            return int(self.original_max_position_embeddings * self.factor)
+        if self.rope_type in ("linear", "dynamic"):
+            return int(max_position_embeddings * self.factor)
+        return max_position_embeddings
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str) -> "RopeConfig":
         # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older
-        # files write `rope_theta` plus an optional `rope_scaling` dict.
+        # files write `rope_theta` plus an optional `rope_scaling` dict. Defaults and
+        # key precedence follow transformers' standardize_rope_params and the
+        # _compute_*_parameters functions.
         params = raw.get("rope_parameters") or {}
         scaling = raw.get("rope_scaling") or {}
         if not isinstance(params, dict) or not isinstance(scaling, dict):
             raise BlockspecError(f"{where}: rope_parameters / rope_scaling must be objects")
         merged = {**params, **scaling}
+        if any(isinstance(v, dict) for v in merged.values()):
+            raise BlockspecError(f"{where}: per-layer-type rope parameters are not supported")
         theta = raw.get("rope_theta", merged.get("rope_theta", 10000.0))
         rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:  # before reading its keys: name the type
+            raise BlockspecError(f"{where}: rope type '{rope_type}' is not supported "
+                                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        _require(partial in (None, 1, 1.0), f"{where}: partial_rotary_factor {partial!r} is not supported")
+        max_pos = raw.get("max_position_embeddings", 2048)
+        # transformers: a top-level original_max_position_embeddings wins, then the rope
+        # dict's, then max_position_embeddings.
+        original = raw.get("original_max_position_embeddings") or merged.get("original_max_position_embeddings") \
+            or max_pos
+        factor = merged.get("factor")
+        if factor is None:
+            # yarn / longrope without a factor: the ratio of the two lengths (transformers).
+            factor = max_pos / original if rope_type in ("yarn", "longrope") else 1.0
+        _require(isinstance(factor, (int, float)) and not isinstance(factor, bool),
+                 f"{where}: rope factor must be a number, got {factor!r}")
+
+        def number(key: str, default: float | None) -> float | None:
+            value = merged.get(key)
+            if value is None:
+                return default
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool),
+                     f"{where}: rope {key} must be a number, got {value!r}")
+            return float(value)
+
         return cls(
-            theta=theta, rope_type=rope_type, factor=float(merged.get("factor", 1.0)),
+            theta=theta, rope_type=rope_type, factor=float(factor),
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=int(original), max_position_embeddings=int(max_pos),
+            attention_factor=number("attention_factor", None),
+            # transformers: `beta_fast or 32`, `beta_slow or 1` (0 / None mean the default)
+            beta_fast=number("beta_fast", None) or 32.0, beta_slow=number("beta_slow", None) or 1.0,
+            mscale=number("mscale", None), mscale_all_dim=number("mscale_all_dim", None),
+            truncate=bool(merged.get("truncate", True)),
+            short_factor=merged.get("short_factor"), long_factor=merged.get("long_factor"),
             where=where,
         )
 
@@ -103,7 +209,50 @@ class RopeConfig:
         if self.rope_type == "llama3":
             out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
                        original_max_position_embeddings=self.original_max_position_embeddings)
+        elif self.rope_type == "yarn":
+            out.update(original_max_position_embeddings=self.original_max_position_embeddings,
+                       beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate)
+            for key in ("attention_factor", "mscale", "mscale_all_dim"):
+                if getattr(self, key) is not None:
+                    out[key] = getattr(self, key)
+        elif self.rope_type == "longrope":
+            out.update(original_max_position_embeddings=self.original_max_position_embeddings,
+                       short_factor=list(self.short_factor or ()), long_factor=list(self.long_factor or ()))
+            if self.attention_factor is not None:
+                out["attention_factor"] = self.attention_factor
         return out
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str, where: str) -> tuple[int | None, tuple[int, ...]]:
+    """(window, sliding layers) as transformers reads them: Mistral slides every layer
+    when `sliding_window` is set; Qwen2 / Qwen3 only with `use_sliding_window`, in the
+    layers `layer_types` marks (default: layers >= max_window_layers); Llama never."""
+    n = raw["num_hidden_layers"]
+    window = raw.get("sliding_window")
+    if model_type == "mistral":
+        layers = tuple(range(n)) if window is not None else ()
+    elif model_type in ("qwen2", "qwen3"):
+        window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+        layer_types = raw.get("layer_types")
+        if layer_types is None:
+            first = raw.get("max_window_layers", 28)
+            _require(isinstance(first, int), f"{where}: max_window_layers must be an integer, got {first!r}")
+            layers = tuple(i for i in range(n) if i >= first)
+        else:
+            _require(isinstance(layer_types, list) and len(layer_types) == n
+                     and all(t in ("full_attention", "sliding_attention") for t in layer_types),
+                     f"{where}: layer_types must list 'full_attention' / 'sliding_attention' for each of "
+                     f"the {n} layers, got {layer_types!r}")
+            layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        if window is None:
+            layers = ()
+    else:
+        window, layers = None, ()
+    if window is not None:
+        _positive_int("sliding_window", window, where)
+        if not layers:
+            window = None
+    return window, layers
 
 
 @dataclass(frozen=True)
@@ -128,6 +277,10 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"
+    # Sliding-window attention: a query at position i sees keys j with i - j < window
+    # (transformers' sliding_window_overlay) in the layers listed; None: every layer full.
+    attention_window: int | None = None
+    window_layers: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
     where: InitVar[str] = "target config"
 
@@ -140,6 +293,24 @@ class TargetConfig:
         _require(heads % kv_heads == 0,
                  f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
         _require(self.head_dim % 2 == 0, f"{where}: head_dim must be even for rotary embeddings")
+        self.rope.check_head_dim(self.head_dim, where)
+        if self.attention_window is not None:
+            _positive_int("sliding_window", self.attention_window, where)
+        object.__setattr__(self, "window_layers", tuple(self.window_layers))
+        _require(all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in self.window_layers),
+                 f"{where}: sliding-window layers {self.window_layers} must be in 0..{self.num_hidden_layers - 1}")
+        _require((self.attention_window is None) == (not self.window_layers),
+                 f"{where}: a sliding window needs the layers it applies to, and layers need a window")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (None: full attention)."""
+        return self.attention_window if layer in self.window_layers else None
+
+    @property
+    def supported_length(self) -> int:
+        """The longest sequence the model's RoPE supports (vLLM's derivation: scaled by
+        the yarn / linear / dynamic factor)."""
+        return self.rope.max_positions(self.max_position_embeddings)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> "TargetConfig":
@@ -154,8 +325,7 @@ class TargetConfig:
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         act = raw.get("hidden_act", "silu")
         _require(act == "silu", f"{where}: hidden_act {act!r} is not supported (only 'silu')")
-        _require(not raw.get("use_sliding_window", False),
-                 f"{where}: sliding-window attention targets are not supported")
+        window, window_layers = _sliding_window(raw, model_type, where)
         eos = raw.get("eos_token_id")
         eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         if model_type == "qwen2":
@@ -164,8 +334,7 @@ class TargetConfig:
             qkv_bias = o_bias = bool(raw.get("attention_bias", False))
         _require(not raw.get("mlp_bias", False), f"{where}: mlp_bias is not supported")
         known = {f.name for f in fields(cls)} | {
-            "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "hidden_act",
-            "use_sliding_window", "mlp_bias"}
+            "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "hidden_act", "mlp_bias"}
         return cls(
             model_type=model_type, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
@@ -176,6 +345,7 @@ class TargetConfig:
             qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=model_type == "qwen3",
             bos_token_id=raw.get("bos_token_id"), eos_token_id=eos_list,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            attention_window=window, window_layers=window_layers,
             extra={k: v for k, v in raw.items() if k not in known}, where=where,
         )
 
@@ -201,6 +371,12 @@ class TargetConfig:
         }
         if self.model_type != "qwen2":
             out["attention_bias"] = self.qkv_bias
+        if self.attention_window is not None:  # a config read from a file keeps its own keys (extra)
+            out["sliding_window"] = self.attention_window
+            if self.model_type != "mistral":
+                out["use_sliding_window"] = True
+                out["layer_types"] = ["sliding_attention" if i in self.window_layers else "full_attention"
+                                      for i in range(self.num_hidden_layers)]
         out.update(self.extra)
         return out
 
@@ -247,10 +423,83 @@ class SamplingParams:
                  f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                  f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        _require(isinstance(self.stop_token_ids, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse stop_token_ids the model can never produce (ids >= vocab_size): such a
+        stop would silently never fire."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        _require(not bad, f"stop_token_ids {bad[:8]} are outside the vocabulary (token ids 0..{vocab_size - 1})")
+
+
+# generation_config.json keys that become request defaults (as vLLM's default
+# `--generation-config auto`): HF name -> SamplingParams field.
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                           "max_new_tokens": "max_new_tokens"}
+# Sampling settings blockspec does not implement: reported (never silently dropped).
+UNSUPPORTED_GENERATION_KEYS = ("repetition_penalty", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                               "no_repeat_ngram_size", "presence_penalty", "frequency_penalty")
+# The value of such a key that changes nothing (0 unless listed).
+_NEUTRAL = {"repetition_penalty": 1.0, "typical_p": 1.0, "epsilon_cutoff": 0.0}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A checkpoint's `generation_config.json`, honoured like vLLM's default
+    (`--generation-config auto`): its `eos_token_id` (int or list) joins the model's stop
+    ids, and its temperature / top_p / top_k / max_new_tokens become the defaults of a
+    request, which the request's own values override. `do_sample` is not consulted (as in
+    vLLM); keys blockspec does not implement (repetition_penalty, min_p, ...) are listed
+    in `unsupported` for the caller to report. A missing file means no defaults."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    unsupported: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "generation_config.json") -> "GenerationDefaults":
+        values: dict[str, Any] = {}
+        for key, name in GENERATION_DEFAULT_KEYS.items():
+            if raw.get(key) is not None:
+                values[name] = raw[key]
+        if isinstance(values.get("top_k"), int) and values["top_k"] < 0:
+            values["top_k"] = 0  # HF / vLLM spell "off" as 0 or -1; blockspec as 0
+        try:  # the values must make a valid request on their own
+            SamplingParams(**values)
+        except BlockspecError as exc:
+            raise BlockspecError(f"{where}: {exc}") from None
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+        _require(isinstance(eos_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in eos_ids),
+                 f"{where}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        unsupported = tuple(k for k in UNSUPPORTED_GENERATION_KEYS
+                            if raw.get(k) is not None and raw[k] != _NEUTRAL.get(k, 0))
+        return cls(eos_token_id=tuple(eos_ids), unsupported=unsupported, **values)
+
+    @classmethod
+    def load(cls, directory: Path) -> "GenerationDefaults":
+        path = Path(directory) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        return cls.from_dict(read_json(path, "generation config"), where=str(path))
+
+    def sampling_params(self, **request: Any) -> SamplingParams:
+        """SamplingParams of a request: its own values (None = not given) over these defaults."""
+        values = {name: getattr(self, name) for name in GENERATION_DEFAULT_KEYS.values()
+                  if getattr(self, name) is not None}
+        values.update({k: v for k, v in request.items() if v is not None})
+        return SamplingParams(**values)
+
 
 
 LAYOUTS = ("zlab", "deepspec")
@@ -321,12 +570,12 @@ class DraftConfig:
         min_block = 2 if self.layout == "zlab" else 1
         _require(isinstance(self.block_size, int) and self.block_size >= min_block,
                  f"{where}: block_size must be >= {min_block} for the {self.layout} layout, got {self.block_size!r}")
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
+        for name in ("block_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers", "max_position_embeddings"):
             _positive_int(name, getattr(self, name), where)
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
-        _require(isinstance(self.target_layer_ids, list) and len(self.target_layer_ids) > 0
+        _require(isinstance(self.target_layer_ids, list) and 0 < len(self.target_layer_ids) <= self.num_target_layers
                  and all(isinstance(i, int) and 0 <= i < self.num_target_layers for i in self.target_layer_ids),
                  f"{where}: target_layer_ids {self.target_layer_ids!r} must name layers 0..{self.num_target_layers - 1}")
         _require(isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size,
@@ -334,6 +583,8 @@ class DraftConfig:
         _require(self.markov_head_type in MARKOV_TYPES,
                  f"{where}: markov_head_type {self.markov_head_type!r} must be one of {MARKOV_TYPES}")
         _require(isinstance(self.markov_rank, int) and self.markov_rank >= 0, f"{where}: markov_rank must be >= 0")
+        if self.markov_rank:
+            _positive_int("markov_rank", self.markov_rank, where)
         _require(self.mask_token is None or (isinstance(self.mask_token, str) and self.mask_token != ""),
                  f"{where}: mask_token must be a non-empty string, got {self.mask_token!r}")
         if self.confidence_temperatures is not None:

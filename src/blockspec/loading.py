@@ -2,23 +2,43 @@
 
 The CLI, the server and the bench all load through here (nothing imports the CLI).
 Sits at the decoding level or below: it imports config / models / embedded only.
+
+Device and dtype (`models.checkpoint`): `device` "cpu" (the library default), "cuda",
+"cuda:1" or "auto"/None (cuda when available). `dtype` a name, "auto" (the target
+checkpoint's dtype) or None ("auto" on a GPU, float32 on the CPU, where bfloat16
+matmuls are slow). Drafts always run in the target's dtype. Every config is checked
+against its checkpoint's tensor headers and the free memory before anything is
+allocated; weights with NaN / Inf are refused unless `allow_nonfinite=True`.
+
+Generation defaults (generation_config.json, honoured like vLLM's default): the target's
+eos ids from that file join `target.config.eos_token_id` (so they stop every request
+that does not set ignore_eos), and `LoadedModels.generation_defaults` (a
+`config.GenerationDefaults`) holds its temperature / top_p / top_k / max_new_tokens:
+`models.generation_defaults.sampling_params(temperature=None, top_p=0.9, ...)` gives a
+request's SamplingParams, its own non-None values overriding the checkpoint's, the
+checkpoint's overriding SamplingParams' built-in defaults. Settings blockspec does not
+implement (repetition_penalty, min_p, ...) are listed in `.unsupported` and logged
+once at load.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from blockspec import embedded
-from blockspec.config import DRAFT_METHODS
+from blockspec.config import DRAFT_METHODS, GenerationDefaults
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import load_draft, load_target
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 from blockspec.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -27,6 +47,8 @@ class LoadedModels:
     tokenizer: Tokenizer
     draft: DraftModel | None   # None for method "ar"
     method: str
+    # The target checkpoint's generation_config.json sampling defaults (module docstring).
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def draft_kind(method: str) -> str | None:
@@ -35,39 +57,55 @@ def draft_kind(method: str) -> str | None:
     return kind if kind in DRAFT_METHODS else None
 
 
+def load_generation_defaults(target_dir: str | Path) -> GenerationDefaults:
+    """A target directory's generation_config.json defaults (empty when there is none)."""
+    defaults = GenerationDefaults.load(Path(target_dir))
+    if defaults.unsupported:
+        log.warning("%s/generation_config.json sets %s, which blockspec does not implement; requests run "
+                    "without them", target_dir, ", ".join(defaults.unsupported))
+    return defaults
+
+
 def load_models(target: str | Path | None = None, draft: str | Path | None = None, method: str = "ar", *,
-                block_size: int | None = None, dtype: str = "float32",
-                device: str | torch.device = "cpu") -> LoadedModels:
+                block_size: int | None = None, dtype: str | torch.dtype | None = None,
+                device: str | torch.device | None = "cpu", allow_nonfinite: bool = False,
+                chat_template: str | Path | None = None) -> LoadedModels:
     """Target, tokenizer and (for speculative methods) draft; None = the embedded models.
 
     `block_size` runs the draft with a shorter block than trained (a new draft value,
-    weights shared); it is ignored for method "ar".
+    weights shared); it is ignored for method "ar". dtype / device / allow_nonfinite:
+    see the module docstring. `chat_template` (`--chat-template`): a file, an inline
+    template or a template name replacing the checkpoint's (models.chat_template).
     """
     target_dir = Path(target) if target else embedded.default_target()
-    target_model = load_target(target_dir, dtype=dtype, device=device)
-    tokenizer = Tokenizer(target_dir)
+    target_model = load_target(target_dir, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite)
+    tokenizer = Tokenizer(target_dir, chat_template=chat_template)  # refuses a bad or hostile chat template
     draft_model = None
     if method != "ar":
         draft_dir = Path(draft) if draft else embedded.default_draft(method)
-        draft_model = load_draft(draft_dir, dtype=dtype, device=device, target=target_model)
+        draft_model = load_draft(draft_dir, dtype=target_model.dtype, device=target_model.device,
+                                 target=target_model, allow_nonfinite=allow_nonfinite)
         if block_size:
             draft_model = draft_model.with_block_size(block_size)
-    return LoadedModels(target_model, tokenizer, draft_model, method)
+    return LoadedModels(target_model, tokenizer, draft_model, method, load_generation_defaults(target_dir))
 
 
 def load_drafts(target_model: TargetModel, drafts: Mapping[str, str | Path | None], methods: Iterable[str],
-                dtype: str = "float32", device: str | torch.device = "cpu") -> dict[str, DraftModel]:
+                dtype: str | torch.dtype | None = None, device: str | torch.device | None = None, *,
+                allow_nonfinite: bool = False) -> dict[str, DraftModel]:
     """{draft kind: draft} for the drafts `methods` need (see `draft_kind`), checked against the target.
 
     `drafts` maps a kind ("dflash" / "dspark") to its directory; a missing or None entry
-    loads the embedded draft of that kind.
+    loads the embedded draft of that kind. dtype / device None: the target's.
     """
     needed = sorted({kind for kind in map(draft_kind, methods) if kind is not None})
     loaded = {}
     for kind in needed:
         directory = drafts.get(kind)
-        loaded[kind] = load_draft(Path(directory) if directory else embedded.default_draft(kind), dtype=dtype,
-                                  device=device, target=target_model)
+        loaded[kind] = load_draft(Path(directory) if directory else embedded.default_draft(kind),
+                                  dtype=target_model.dtype if dtype in (None, "auto") else dtype,
+                                  device=target_model.device if device is None else device,
+                                  target=target_model, allow_nonfinite=allow_nonfinite)
     if "dspark" in loaded and not loaded["dspark"].config.is_dspark:
         raise BlockspecError("the dspark draft has neither a Markov nor a confidence head (is it a DFlash draft?)")
     return loaded

@@ -15,7 +15,11 @@ from blockspec.config import METHODS, RULES, read_json
 from blockspec.errors import BlockspecError
 
 TARGET_HELP = "HF-format target directory (default: the embedded model)"
-DTYPE_HELP = "float32 | bfloat16 | float16"
+DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (default: auto on a GPU, float32 on the CPU). auto = the "
+              "checkpoint's dtype (config torch_dtype, else its tensors'); on the CPU bfloat16/float16 matmuls "
+              "are several times slower than float32, so the CPU default is float32 (ask for --dtype auto to "
+              "keep the checkpoint's)")
+DEVICE_HELP = "cpu | cuda | cuda:N | auto (default auto: cuda when available, else cpu)"
 
 
 def add_target_flag(p: argparse.ArgumentParser, help: str = TARGET_HELP) -> None:
@@ -23,14 +27,36 @@ def add_target_flag(p: argparse.ArgumentParser, help: str = TARGET_HELP) -> None
     p.add_argument("--target", default=None, help=help)
 
 
-def add_dtype_flag(p: argparse.ArgumentParser, default: str = "float32") -> None:
-    """--dtype NAME: the dtype the models are loaded in."""
-    p.add_argument("--dtype", default=default, help=DTYPE_HELP)
+def add_dtype_flag(p: argparse.ArgumentParser, default: str | None = None, help: str = DTYPE_HELP) -> None:
+    """--dtype NAME: the dtype the models are loaded in (None: models.checkpoint.resolve_dtype's rule)."""
+    p.add_argument("--dtype", default=default, help=help)
 
 
 def add_device_flag(p: argparse.ArgumentParser) -> None:
     """--device: cpu | cuda | auto (default auto: cuda when available; see models.checkpoint.resolve_device)."""
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+
+
+def add_load_flags(p: argparse.ArgumentParser) -> None:
+    """--dtype / --device / --allow-nonfinite-weights: how models are loaded (see `load_options`)."""
+    add_dtype_flag(p)
+    add_device_flag(p)
+    p.add_argument("--allow-nonfinite-weights", action="store_true",
+                   help="load weights that hold NaN / Inf (refused by default: such a checkpoint is corrupt)")
+
+
+def load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of loading.load_models / load_target / load_draft given by `add_load_flags`."""
+    return {"dtype": args.dtype, "device": args.device,
+            "allow_nonfinite": getattr(args, "allow_nonfinite_weights", False)}
+
+
+def add_chat_template_flag(p: argparse.ArgumentParser) -> None:
+    """--chat-template (as vLLM's): replaces the checkpoint's chat template (see loading.load_models)."""
+    p.add_argument("--chat-template", default=None,
+                   help="chat template to use instead of the checkpoint's: a Jinja file, an inline template, or "
+                        "the name of one of the checkpoint's templates (default: its chat_template.jinja, else "
+                        "tokenizer_config.json's chat_template)")
 
 
 def add_rule_flag(p: argparse.ArgumentParser) -> None:
@@ -40,12 +66,14 @@ def add_rule_flag(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--target / --draft / --method / --block-size / --dtype: the arguments of loading.load_models."""
+    """--target / --draft / --method / --block-size / --chat-template / --dtype / --device /
+    --allow-nonfinite-weights: the arguments of loading.load_models (`load_options(args)` for the last three)."""
     add_target_flag(p)
     p.add_argument("--draft", default=None, help="draft directory (default: the embedded draft for --method)")
     p.add_argument("--method", choices=METHODS, default="ar")
     p.add_argument("--block-size", type=int, default=None, help="run with a shorter block than trained")
-    add_dtype_flag(p)
+    add_chat_template_flag(p)
+    add_load_flags(p)
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:

@@ -25,6 +25,7 @@ from blockspec.config import RULES, SamplingParams
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import check_method
 from blockspec.decoding.handles import RequestHandle, RequestOutput
+from blockspec.decoding.memory import plan_for_models
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
 from blockspec.decoding.policy import RoundPolicy
 from blockspec.decoding.round import RoundInputs, prefill, speculative_round
@@ -59,6 +60,7 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, max
         raise BlockspecError("the prompt is empty")
     if any(t < 0 or t >= vocab for t in prompt):
         raise BlockspecError(f"prompt token ids must be in 0..{vocab - 1}")
+    params.check_vocab(vocab)  # a stop id the model cannot produce would never stop
     need = len(prompt) + params.max_new_tokens
     if need > max_model_len:
         raise BlockspecError(
@@ -73,9 +75,11 @@ class Engine:
     """Continuous-batching speculative decoding over a fixed KV slot pool.
 
     method: "ar" | "dflash" | "dspark"; scheduled: DSpark confidence scheduling
-    with `cost_table` (no table: verify every draft); rows = min(max_running,
-    slots that fit in kv_memory_gb GiB of target + draft KV); each slot holds
-    max_model_len positions (default: the target's max_position_embeddings).
+    with `cost_table` (no table: verify every draft). The KV memory plan
+    (decoding/memory.py): rows = min(max_running, slots that fit in the budget:
+    kv_memory_gb GiB of target + draft KV, else gpu_memory_utilization (default
+    0.9) x the device's memory less what is in use); each slot holds max_model_len
+    positions (default: the target's max_position_embeddings, capped to what fits).
     min_survival (scheduled): drafts whose prefix survival is below it are neither
     drafted nor verified.
     draft_gate: skip drafting, or draft a shorter block, in rounds where the cost
@@ -94,7 +98,7 @@ class Engine:
                  max_model_len: int | None = None, cost_table: CostTable | None = None,
                  rule: str = "rejection", tokenizer: Detokenizer | None = None,
                  min_survival: float = 0.02, draft_gate: bool | None = None, gate_feedback: bool = True,
-                 calibrate_confidence: bool = True) -> None:
+                 calibrate_confidence: bool = True, gpu_memory_utilization: float | None = None) -> None:
         check_method(method, draft)
         if rule not in RULES:
             raise BlockspecError(f"unknown verification rule {rule!r} (choose rejection or match)")
@@ -105,8 +109,12 @@ class Engine:
         self.policy = RoundPolicy.for_engine(target, self.draft, method, cost_table, scheduled=scheduled,
                                              draft_gate=draft_gate, min_survival=min_survival,
                                              gate_feedback=gate_feedback, calibrate=calibrate_confidence)
-        self.max_model_len = self._model_len(max_model_len)
-        self.slots = SlotPool(target, self.draft, self.max_model_len, max_running, kv_memory_gb)
+        # Slots x length from the memory free now (the weights are loaded): never
+        # max_running x max_position_embeddings blindly.
+        self.plan = plan_for_models(target, self.draft, max_running, max_model_len, kv_memory_gb,
+                                    gpu_memory_utilization)
+        self.max_model_len = self.plan.max_model_len
+        self.slots = SlotPool(target, self.draft, self.plan)
         self.stats = EngineStats(speculative=self.draft is not None)
         self._lock = threading.Lock()        # queue, cancellations, live requests
         self._step_lock = threading.Lock()   # one step at a time; caches change only under it
@@ -123,15 +131,6 @@ class Engine:
         self.failure: BaseException | None = None
 
     # -- construction helpers ------------------------------------------------------
-    def _model_len(self, max_model_len: int | None) -> int:
-        limit = self.target.config.max_position_embeddings
-        if max_model_len is None:
-            return limit
-        if not isinstance(max_model_len, int) or not 1 < max_model_len <= limit:
-            raise BlockspecError(f"max_model_len must be an integer in 2..{limit} (the model's "
-                                 f"max_position_embeddings), got {max_model_len!r}")
-        return max_model_len
-
     @property
     def rows(self) -> int:
         return self.slots.rows
@@ -286,6 +285,9 @@ class Engine:
         if not new:
             return
         t0 = time.perf_counter()
+        admitted = time.monotonic()
+        for req in new:
+            self.stats.admitted(req.handle.times, admitted)
         self.slots.reset(first, last)
         view, draft_view = self.slots.views(first, last)
         sampler = self._sampler(new)
@@ -319,6 +321,10 @@ class Engine:
         """Apply stop tokens, length and stop strings, then stream the delta."""
         delta = req.output.push(new)
         self.stats.count("generated_tokens", len(delta.tokens))
+        now = time.monotonic()
+        self.stats.tokens(req.handle.times, len(delta.tokens), now)   # before publishing: a client that
+        if delta.finished:                                             # saw its end finds it in /metrics
+            self.stats.request_finished(req.handle.times, req.output.finish_reason, now)
         if not delta.finished:
             if delta.tokens or delta.text:
                 req.handle.publish(RequestOutput(req.id, delta.tokens, delta.text, False, None))
@@ -330,6 +336,7 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         """End a request that did not finish by itself (cancelled / error)."""
         req.output.finish(reason)
+        self.stats.request_finished(req.handle.times, reason, time.monotonic())
         req.handle.publish(RequestOutput(req.id, [], None, True, reason), req.output.completion())
         self.stats.count("cancelled" if reason == "cancelled" else "failed")
         with self._lock:

@@ -68,7 +68,7 @@ def check_method(method: str, draft: DraftModel | None) -> None:
 
 
 def check_lengths(target: TargetModel, prompts: list[list[int]], params: list[SamplingParams]) -> None:
-    limit = target.config.max_position_embeddings
+    limit = target.config.supported_length  # max_position_embeddings, scaled by yarn / linear / dynamic RoPE
     for i, (p, sp) in enumerate(zip(prompts, params)):
         if not p:
             raise BlockspecError(f"prompt {i} is empty")
@@ -99,6 +99,8 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     if len(params) != len(prompts):
         raise BlockspecError("need one SamplingParams per prompt")
     check_lengths(target, prompts, params)
+    for sp in params:
+        sp.check_vocab(target.config.vocab_size)
     if forced_acceptance is not None and draft is None:
         raise BlockspecError("forced acceptance needs a speculative method")
     states = [RequestOutputState(p, target.config.eos_token_id, tokenizer) for p in params]

@@ -1,27 +1,39 @@
 """Safetensors + config.json I/O for Hugging Face target checkpoints.
 
-Never pickle. Tensor names and shapes are checked against the config so a
-wrong or truncated checkpoint fails loudly instead of generating garbage.
-Draft checkpoints (z-lab / DeepSpec) share `read_tensors` / `write_tensors`.
+Never pickle. Loading checks before it allocates: the config's sanity limits, the
+checkpoint's tensor headers (names, shapes, float dtypes; `models.sizing` names the
+config field that disagrees) and the weights' size against the device's free memory.
+The model is then built on the meta device, allocated uninitialised on its device in
+its dtype, and filled tensor by tensor from the files (`models.weights.TensorReader`:
+no random init, no float32 detour, no whole-shard copy), each tensor checked for NaN /
+Inf unless `allow_nonfinite`. Draft checkpoints (z-lab / DeepSpec) load the same way.
+
+dtype arguments: a name ("float32", "bfloat16", ...), "auto" (the checkpoint's dtype:
+config `torch_dtype` / `dtype`, else the dtype of most of its weight bytes, as
+transformers' dtype="auto"), or None (= "auto" on a GPU, float32 elsewhere: CPU
+bfloat16 / float16 matmuls are several times slower than float32).
 """
 
 from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from blockspec.config import DraftConfig, TargetConfig, read_json
+from blockspec.config import DraftConfig, GenerationDefaults, TargetConfig, read_json
 from blockspec.interop import EngineCompatibilityWarning, save_problems
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
-from blockspec.models.layers import rope_inv_freq
+from blockspec.models.layers import RotaryEmbedding
+from blockspec.models.sizing import build_on_meta, check_against_headers, check_fits, draft_size, target_size
 from blockspec.models.target import TargetModel
+from blockspec.models.weights import TensorHeader, TensorReader, check_float, read_headers
+from blockspec.models.weights import read_tensors  # noqa: F401  (re-exported: training resume states)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -33,33 +45,47 @@ def parse_dtype(name: str | torch.dtype | None, default: str = "float32") -> tor
         return name
     key = (name or default).replace("torch.", "")
     if key not in DTYPES:
-        raise BlockspecError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
+        raise BlockspecError(f"unknown dtype {name!r} (choose from auto, {', '.join(DTYPES)})")
     return DTYPES[key]
 
 
-def read_tensors(directory: Path, what: str) -> dict[str, torch.Tensor]:
-    """All tensors of `model.safetensors` or a sharded `model.safetensors.index.json`."""
-    directory = Path(directory)
-    single = directory / "model.safetensors"
-    index = directory / "model.safetensors.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        weight_map = read_json(index, f"{what} index").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise BlockspecError(f"{what}: {index} has no 'weight_map'")
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-    else:
-        raise BlockspecError(f"{what}: no model.safetensors or model.safetensors.index.json in {directory}")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        if not file.is_file():
-            raise BlockspecError(f"{what}: shard {file} is missing")
-        try:
-            tensors.update(load_file(str(file)))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise BlockspecError(f"{what}: cannot read {file}: {exc}") from None
-    return tensors
+def resolve_dtype(name: str | torch.dtype | None, device: torch.device,
+                  stored: Callable[[], torch.dtype]) -> torch.dtype:
+    """The dtype to load in (module docstring): None = "auto" on a GPU, else float32;
+    "auto" = `stored()`, the checkpoint's dtype."""
+    if name is None:
+        name = "auto" if device.type == "cuda" else "float32"
+    return stored() if name == "auto" else parse_dtype(name)
+
+
+def stored_dtype(directory: Path, headers: dict[str, TensorHeader]) -> torch.dtype:
+    """The checkpoint's own dtype: config.json's torch_dtype / dtype when it names a float
+    type, else the float dtype holding most of the weights' bytes."""
+    raw = read_json(Path(directory) / "config.json", "config")
+    named = str(raw.get("torch_dtype") or raw.get("dtype") or "").removeprefix("torch.")
+    if named in DTYPES:
+        return DTYPES[named]
+    by_bytes: dict[torch.dtype, int] = {}
+    for h in headers.values():
+        if h.torch_dtype is not None:
+            by_bytes[h.torch_dtype] = by_bytes.get(h.torch_dtype, 0) + h.nbytes
+    return max(by_bytes, key=by_bytes.__getitem__) if by_bytes else torch.float32
+
+
+def model_headers(directory: Path, what: str, drop: Callable[[str], bool] = lambda name: False
+                  ) -> dict[str, TensorHeader]:
+    """The checkpoint's tensor headers under the model's names (HF's `model.` prefix
+    removed), minus those `drop` names; every kept tensor must be a float type."""
+    out: dict[str, TensorHeader] = {}
+    for name, header in read_headers(Path(directory), what).items():
+        key = name.removeprefix("model.")
+        if drop(key):
+            continue
+        if key in out:
+            raise BlockspecError(f"{what}: tensor '{key}' appears twice (with and without the 'model.' prefix)")
+        check_float(header, what)
+        out[key] = header
+    return out
 
 
 def write_tensors(directory: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -68,52 +94,104 @@ def write_tensors(directory: Path, tensors: dict[str, torch.Tensor], metadata: d
               metadata=metadata or {"format": "pt"})
 
 
-def load_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: str,
-               dtype: torch.dtype, optional: tuple[str, ...] = ()) -> None:
-    """Copy `tensors` into `module` after checking names and shapes exactly."""
-    expected = dict(module.state_dict())
-    # A tied lm_head shares the embedding: the checkpoint may omit it.
-    missing = [k for k in expected if k not in tensors and k not in optional]
-    unexpected = [k for k in tensors if k not in expected]
-    if missing:
-        raise BlockspecError(f"{what}: checkpoint is missing tensors: {', '.join(missing[:6])}"
-                             + (" ..." if len(missing) > 6 else ""))
-    if unexpected:
-        raise BlockspecError(f"{what}: checkpoint has tensors the config does not describe: "
-                             f"{', '.join(unexpected[:6])}" + (" ..." if len(unexpected) > 6 else ""))
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise BlockspecError(f"{what}: tensor '{name}' has shape {tuple(tensor.shape)}, "
-                                 f"the config implies {tuple(expected[name].shape)}")
-    module.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+def fill_weights(module: torch.nn.Module, headers: dict[str, TensorHeader], what: str,
+                 allow_nonfinite: bool = False, skip: tuple[str, ...] = ()) -> None:
+    """Read every state tensor of `module` (already checked against `headers`) from the
+    files, in file order, chunk by chunk (models.weights.TensorReader)."""
+    state = {k: v for k, v in module.state_dict().items() if k not in skip}
+    order = sorted(state, key=lambda k: (str(headers[k].file), headers[k].offset))
+    with torch.no_grad(), TensorReader(what, allow_nonfinite) as reader:
+        for name in order:
+            reader.load(headers[name], state[name], display=name)
 
 
-def resolve_device(name: str | None = "auto") -> torch.device:
+def build_empty(make: Callable[[], torch.nn.Module], dtype: torch.dtype, device: torch.device,
+                untie: Callable[[torch.nn.Module], tuple[torch.nn.Module, ...]] = lambda model: ()
+                ) -> torch.nn.Module:
+    """`make()` built on the meta device (no memory, no random init), then given
+    uninitialised storage on `device` in `dtype`. `untie(model)`: modules whose `weight`
+    is shared with another module; they get no storage of their own (re-tie after)."""
+    model = build_on_meta(make)
+    for m in untie(model):
+        m.register_parameter("weight", None)
+    # Module.to_empty would go through torch's Python meta kernels (importing sympy on
+    # first use); plain torch.empty per tensor, shared tensors allocated once.
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+        return made[id(t)]
+
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = torch.nn.Parameter(empty(p), requires_grad=p.requires_grad)
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = empty(b) if b.is_meta else b.to(device)
+    return model
+
+
+def _rotary(model: torch.nn.Module, head_dim: int, rope, device: torch.device) -> None:
+    """Non-persistent buffers (RoPE frequencies) are not in the checkpoint: build the
+    rotary module for real on the device."""
+    model.rotary = RotaryEmbedding(head_dim, rope).to(device)
+
+
+def _merge_generation_eos(cfg: TargetConfig, directory: Path) -> TargetConfig:
+    """generation_config.json's eos ids join the config's (vLLM: Qwen's <|im_end|> and
+    <|endoftext|> both stop); every stop id must be a token of the vocabulary."""
+    gen = GenerationDefaults.load(directory)
+    ids = list(cfg.eos_token_id) + [t for t in gen.eos_token_id if t not in cfg.eos_token_id]
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise BlockspecError(f"target: eos_token_id {bad} (config.json / generation_config.json) is outside "
+                             f"the {cfg.vocab_size}-token vocabulary")
+    return cfg if ids == list(cfg.eos_token_id) else replace(cfg, eos_token_id=ids)
+
+
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
     """"auto" (or None): the GPU when one is available, else the CPU; else as named."""
+    if isinstance(name, torch.device):
+        return name
     if name in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise BlockspecError(f"unknown device {name!r} ({exc})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BlockspecError(f"device {name!r} was asked for but CUDA is not available (use --device cpu)")
+    return device
 
 
-def load_target(directory: str | Path, dtype: str | torch.dtype | None = "float32",
-                device: str | torch.device = "cpu") -> TargetModel:
+def _inv_freq_entry(name: str) -> bool:
+    """Old Llama checkpoints store RoPE frequencies; blockspec recomputes them."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def load_target(directory: str | Path, dtype: str | torch.dtype | None = None,
+                device: str | torch.device | None = "cpu", *, allow_nonfinite: bool = False) -> TargetModel:
+    """A Hugging Face target checkpoint on `device` in `dtype` (module docstring), checked
+    before anything is allocated; generation_config.json's eos ids join the config's."""
     directory = Path(directory)
     if not directory.is_dir():
         raise BlockspecError(f"target: {directory} is not a directory")
-    cfg = TargetConfig.load(directory)
-    torch_dtype = parse_dtype(dtype if dtype is not None else cfg.torch_dtype)
-    with torch.device("meta"):
-        model = TargetModel(cfg)
-    model = model.to_empty(device=device).to(torch_dtype)
-    # Non-persistent buffers are not in the checkpoint: recompute them.
-    model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
-    raw = read_tensors(directory, "target")
-    tensors = {k.removeprefix("model."): v for k, v in raw.items()}
-    optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    load_state(model, tensors, "target", torch_dtype, optional)
-    if cfg.tie_word_embeddings:
+    dev = resolve_device(device)
+    cfg = _merge_generation_eos(TargetConfig.load(directory), directory)
+    tied = cfg.tie_word_embeddings
+    headers = model_headers(directory, "target",
+                            lambda k: _inv_freq_entry(k) or (tied and k == "lm_head.weight"))
+    size = target_size(cfg)
+    check_against_headers(size, headers, "target")
+    torch_dtype = resolve_dtype(dtype, dev, lambda: stored_dtype(directory, headers))
+    check_fits(size, torch_dtype, dev, "target")
+    model = build_empty(lambda: TargetModel(cfg), torch_dtype, dev,
+                        untie=lambda m: (m.lm_head,) if tied else ())
+    _rotary(model, cfg.head_dim, cfg.rope, dev)
+    fill_weights(model, headers, "target", allow_nonfinite, skip=("lm_head.weight",) if tied else ())
+    if tied:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval().requires_grad_(False)
     return model
@@ -149,22 +227,29 @@ def save_target(model: TargetModel, directory: str | Path, dtype: str | torch.dt
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 
 
-def load_draft(directory: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               target: TargetModel | None = None) -> DraftModel:
-    """Load a z-lab DFlash or DeepSpec DSpark draft; check it against `target` if given."""
+def load_draft(directory: str | Path, dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = "cpu", target: TargetModel | None = None, *,
+               allow_nonfinite: bool = False) -> DraftModel:
+    """Load a z-lab DFlash or DeepSpec DSpark draft; check it against `target` if given.
+    dtype None: the target's when a target is given, else as in the module docstring."""
     directory = Path(directory)
     if not directory.is_dir():
         raise BlockspecError(f"draft: {directory} is not a directory")
+    dev = resolve_device(device)
     cfg = DraftConfig.load(directory)
     if target is not None:
         cfg.check_target(target.config)
-    torch_dtype = parse_dtype(dtype)
-    model = DraftModel(cfg).to(device=device, dtype=torch_dtype)
-    model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
-    tensors = {k.removeprefix("model."): v for k, v in read_tensors(directory, "draft").items()}
-    for name in SHARED_WITH_TARGET:  # some exports carry the shared tensors; they are the target's
-        tensors.pop(name, None)
-    load_state(model, tensors, "draft", torch_dtype)
+    # Some exports carry the shared tensors; they are the target's.
+    headers = model_headers(directory, "draft", lambda k: k in SHARED_WITH_TARGET or _inv_freq_entry(k))
+    size = draft_size(cfg)
+    check_against_headers(size, headers, "draft")
+    if dtype is None and target is not None:
+        dtype = target.dtype
+    torch_dtype = resolve_dtype(dtype, dev, lambda: stored_dtype(directory, headers))
+    check_fits(size, torch_dtype, dev, "draft")
+    model = build_empty(lambda: DraftModel(cfg), torch_dtype, dev)
+    _rotary(model, cfg.head_dim, cfg.rope, dev)
+    fill_weights(model, headers, "draft", allow_nonfinite)
     model.eval().requires_grad_(False)
     return model
 

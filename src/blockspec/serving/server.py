@@ -1,11 +1,21 @@
 """`blockspec serve`: load the models, build an Engine, run the OpenAI-compatible API.
 
-Flags follow blockspec's own names, plus the aliases SGLang / vLLM users know:
-`--speculative-algorithm`, `--speculative-draft-model-path`,
-`--speculative-dflash-block-size`, `--speculative-dspark-block-size` and
-`--speculative-config '{"method": ..., "model": ..., "num_speculative_tokens": N}'`.
+Flags follow blockspec's own names, plus the aliases SGLang / vLLM users know, so a
+copied `vllm serve MODEL ...` or `python -m sglang.launch_server --model-path ...` line
+works (an unsupported flag is named by argparse, exit 2):
+- the target: positional MODEL, `--model`, `--model-path` (= --target);
+- memory: `--gpu-memory-utilization` / `--mem-fraction-static`, `--kv-memory-gb`,
+  `--max-model-len` / `--context-length`, `--max-num-seqs` / `--max-running-requests`
+  (= --max-running); the plan is printed at start (decoding/memory.py);
+- speculation: `--speculative-algorithm`, `--speculative-draft-model-path`,
+  `--speculative-dflash-block-size`, `--speculative-dspark-block-size`,
+  `--speculative-num-draft-tokens` and
+  `--speculative-config '{"method": ..., "model": ..., "num_speculative_tokens": N}'`
+  (keys that only tune vLLM's engine, SPEC_CONFIG_IGNORED, are accepted with a warning).
 Block sizes are in the draft's own convention (z-lab: includes the anchor);
-num_speculative_tokens counts drafts (z-lab block = N + 1, DeepSpec block = N).
+num_speculative_tokens counts drafts (z-lab block = N + 1, DeepSpec block = N);
+SGLang's speculative_num_draft_tokens counts the verified tokens including the
+anchor, as its EAGLE chains do (drafts = N - 1).
 """
 
 from __future__ import annotations
@@ -14,7 +24,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +34,15 @@ from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.loading import load_models
-from blockspec.options import add_model_flags
+from blockspec.options import add_model_flags, load_options
 
 log = logging.getLogger(__name__)
 
 SPEC_CONFIG_KEYS = ("method", "model", "num_speculative_tokens")
+# vLLM speculative_config keys that tune only vLLM's own engine (kernels, batching, logging,
+# parallelism): blockspec's output does not depend on them, so they are accepted and ignored.
+SPEC_CONFIG_IGNORED = ("attention_backend", "disable_padded_drafter_batch", "disable_log_stats", "disable_logprobs",
+                       "enforce_eager", "disable_by_batch_size", "draft_tensor_parallel_size")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -43,9 +56,10 @@ def speculative_config(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
-    unknown = sorted(set(raw) - set(SPEC_CONFIG_KEYS))
+    unknown = sorted(set(raw) - set(SPEC_CONFIG_KEYS) - set(SPEC_CONFIG_IGNORED))
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown keys {unknown} (supported: {', '.join(SPEC_CONFIG_KEYS)})")
+        raise argparse.ArgumentTypeError(f"unsupported key(s) {unknown} (supported: {', '.join(SPEC_CONFIG_KEYS)}; "
+                                         f"accepted and ignored: {', '.join(SPEC_CONFIG_IGNORED)})")
     method = raw.get("method")
     if method is not None and (not isinstance(method, str) or method.lower() not in DRAFT_METHODS):
         raise argparse.ArgumentTypeError(f"unknown method {method!r} (supported: {', '.join(DRAFT_METHODS)})")
@@ -55,7 +69,8 @@ def speculative_config(text: str) -> dict[str, Any]:
     n = raw.get("num_speculative_tokens")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise argparse.ArgumentTypeError(f"num_speculative_tokens must be a positive integer, got {n!r}")
-    return {"method": method.lower() if method else None, "model": model, "num_speculative_tokens": n}
+    return {"method": method.lower() if method else None, "model": model, "num_speculative_tokens": n,
+            "ignored": sorted(set(raw) & set(SPEC_CONFIG_IGNORED))}
 
 
 def one_of(what: str, **sources: Any) -> Any:
@@ -78,6 +93,8 @@ class Speculation:
 def resolve_speculation(args: argparse.Namespace) -> Speculation:
     """Merge --method/--draft/--block-size with their SGLang / vLLM aliases."""
     cfg = args.speculative_config or {}
+    if cfg.get("ignored"):
+        log.warning("--speculative-config: %s only tune vLLM's engine; ignored", ", ".join(cfg["ignored"]))
     alg = args.speculative_algorithm.lower() if args.speculative_algorithm else None
     draft = one_of("draft paths", draft=args.draft, speculative_draft_model_path=args.speculative_draft_model_path,
                    speculative_config_model=cfg.get("model"))
@@ -92,9 +109,14 @@ def resolve_speculation(args: argparse.Namespace) -> Speculation:
     block = one_of("block sizes", block_size=args.block_size,
                    speculative_dflash_block_size=args.speculative_dflash_block_size,
                    speculative_dspark_block_size=args.speculative_dspark_block_size)
-    num_drafts = cfg.get("num_speculative_tokens")
+    draft_tokens = args.speculative_num_draft_tokens
+    if draft_tokens is not None and draft_tokens < 2:
+        raise BlockspecError(f"--speculative-num-draft-tokens counts the anchor and the drafts: at least 2, "
+                             f"got {draft_tokens}")
+    num_drafts = one_of("draft counts", num_speculative_tokens=cfg.get("num_speculative_tokens"),
+                        speculative_num_draft_tokens_minus_1=None if draft_tokens is None else draft_tokens - 1)
     if block is not None and num_drafts is not None:
-        raise BlockspecError("give a block size or num_speculative_tokens, not both")
+        raise BlockspecError("give a block size or num_speculative_tokens / --speculative-num-draft-tokens, not both")
     if method == "ar" and (draft is not None or block is not None or num_drafts is not None):
         raise BlockspecError("a draft / block size needs a speculative method (--method dflash or dspark)")
     return Speculation(method, draft, block, num_drafts)
@@ -111,15 +133,23 @@ def block_for(layout: str, num_drafts: int) -> int:
 
 # -- building and running ---------------------------------------------------------------------
 
+def resolve_target(args: argparse.Namespace) -> str | None:
+    """--target and its vLLM / SGLang spellings (positional MODEL, --model, --model-path)."""
+    return one_of("target models", target=args.target, model=args.model, model_path=args.model_path,
+                  positional_model=args.model_positional)
+
+
 def build_engine(args: argparse.Namespace):
     """(Engine, Tokenizer, served model name) from parsed `serve` flags."""
+    args.target = resolve_target(args)
     spec = resolve_speculation(args)
     if args.cost_table and not (args.scheduled or args.draft_gate):
         raise BlockspecError("--cost-table is used by scheduled verification and the draft gate only; "
                              "add --scheduled or --draft-gate")
     if args.draft_gate and not args.cost_table:
         raise BlockspecError("--draft-gate needs --cost-table (blockspec profile --draft ...)")
-    models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size, dtype=args.dtype)
+    models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size,
+                         chat_template=args.chat_template, **load_options(args))
     target, tokenizer, draft = models.target, models.tokenizer, models.draft
     if draft is not None and spec.num_drafts is not None:
         draft = draft.with_block_size(block_for(draft.config.layout, spec.num_drafts))
@@ -127,52 +157,30 @@ def build_engine(args: argparse.Namespace):
     engine = Engine(target, draft, spec.method, scheduled=args.scheduled, max_running=args.max_running,
                     kv_memory_gb=args.kv_memory_gb, max_model_len=args.max_model_len, cost_table=table,
                     draft_gate=True if args.draft_gate else None,
-                    tokenizer=tokenizer)
+                    tokenizer=tokenizer, gpu_memory_utilization=args.gpu_memory_utilization)
+    log.info("%s", engine.plan.describe())
     return engine, tokenizer, args.served_model_name or args.target or "blockspec"
 
 
-def _ignore_signal(signum: int, frame: Any) -> None:
-    pass
-
-
-def run_server(app: Any, host: str, port: int, drain_timeout: float, log_level: str = "info") -> None:
-    """Serve until SIGINT / SIGTERM, then drain for up to `drain_timeout` s, cancel the rest, return."""
-    import uvicorn  # lazy: the optional `serve` extra
-
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=drain_timeout)
-    server = uvicorn.Server(config)
-    # uvicorn re-raises the signal it caught once it has shut down, through the handlers
-    # it found; with Python's defaults that kills the process (SIGTERM) or raises
-    # KeyboardInterrupt (SIGINT). Installing ignoring handlers first lets a drained server exit 0.
-    handled = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, _ignore_signal) for sig in handled}
-    try:
-        server.run()
-    except SystemExit:  # uvicorn exits when it cannot bind
-        raise BlockspecError(f"cannot serve on {host}:{port}; see the log above") from None
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if not server.started:
-        raise BlockspecError("the server failed to start; see the log above")
-
-
 def cmd_serve(args: argparse.Namespace) -> None:
-    try:  # lazy: FastAPI / uvicorn are the optional `serve` extra
+    try:  # lazy: FastAPI / uvicorn / prometheus_client are the optional `serve` extra
         from blockspec.serving.api import ServerLimits, create_app
+        from blockspec.serving.runner import run_server
     except ImportError as exc:
-        raise BlockspecError(f"serving needs FastAPI and uvicorn: pip install 'blockspec[serve]' ({exc})") from None
+        raise BlockspecError(f"serving needs FastAPI, uvicorn and prometheus_client: "
+                             f"pip install 'blockspec[serve]' ({exc})") from None
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
-    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                          max_prompt_bytes=args.max_prompt_bytes)
     engine, tokenizer, name = build_engine(args)
     app = create_app(engine, tokenizer, name, api_key=args.api_key or None, limits=limits)
     if args.host not in LOOPBACK and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who reaches this port can use it", args.host)
     log.info("model %r: method %s, %d KV slots of %d positions", name, engine.method, engine.rows,
              engine.max_model_len)
-    run_server(app, args.host, args.port, args.drain_timeout, args.log_level)
+    run_server(app, args.host, args.port, args.drain_timeout, args.log_level,
+               timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout)
 
 
 # -- flags ----------------------------------------------------------------------------------------
@@ -180,6 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     p.set_defaults(method=None)  # None: from the aliases, else from the draft, else ar
+    p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help="= --target (vLLM style)")
     p.add_argument("--scheduled", action="store_true", help="DSpark confidence-scheduled verification")
     p.add_argument("--cost-table", default=None, help="verify cost table JSON (with --scheduled / --draft-gate)")
     p.add_argument("--draft-gate", action="store_true",
@@ -191,15 +200,32 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $BLOCKSPEC_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
-    p.add_argument("--max-running", type=int, default=32, help="most requests decoding at once")
-    p.add_argument("--kv-memory-gb", type=float, default=None, help="cap on KV cache memory (fewer slots)")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output positions per request")
+    p.add_argument("--max-running", "--max-num-seqs", "--max-running-requests", dest="max_running", type=int,
+                   default=32, help="most requests decoding at once (KV slots; fewer if memory holds fewer)")
+    p.add_argument("--gpu-memory-utilization", "--mem-fraction-static", dest="gpu_memory_utilization",
+                   type=float, default=None,
+                   help="fraction of the device's memory (GPU, or host RAM on the CPU) blockspec may use; the KV "
+                        "cache gets what is left after the weights and an activation reserve (default 0.9)")
+    p.add_argument("--kv-memory-gb", type=float, default=None,
+                   help="KV cache budget in GiB (instead of --gpu-memory-utilization)")
+    p.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int, default=None,
+                   help="prompt + output positions per request (default: the model's, capped to what fits)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (else 413)")
+    p.add_argument("--max-prompt-bytes", type=int, default=None,
+                   help="largest text prompt in bytes, refused (400) before tokenizing "
+                        "(default: 16 bytes per token of the prompt-token limit)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight requests before cancelling them")
+                   help="on SIGTERM / SIGINT: seconds in-flight requests may finish before the rest end with 503")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0, help="close idle keep-alive connections after")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="close connections whose request headers are not complete after this many seconds")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g = p.add_argument_group("SGLang / vLLM aliases")
+    g.add_argument("--model", default=None, help="= --target (vLLM)")
+    g.add_argument("--model-path", default=None, help="= --target (SGLang)")
+    g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="SGLang: tokens verified per round including the anchor (drafts = N - 1)")
     g.add_argument("--speculative-algorithm", type=str.upper, choices=["DFLASH", "DSPARK"], default=None,
                    help="= --method")
     g.add_argument("--speculative-draft-model-path", default=None, help="= --draft")
@@ -208,6 +234,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-dspark-block-size", type=int, default=None, help="DeepSpec block size (drafts)")
     g.add_argument("--speculative-config", type=speculative_config, default=None,
                    help='JSON, e.g. \'{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}\'')
+    if "--chat-template" not in p._option_string_actions:  # shared model flags may declare it
+        g.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the checkpoint's)")
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:

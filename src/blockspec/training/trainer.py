@@ -72,7 +72,8 @@ class TrainConfig:
     eval_new_tokens: int = 64
     seed: int = 0
     bf16: bool = False
-    device: str = "auto"
+    device: str = "auto"                # cpu | cuda | auto (cuda when available)
+    dtype: str = ""                     # frozen target: "" = bf16 if --bf16 else float32; auto = the checkpoint's
     threads: int = 0
     time_budget_s: float = 0.0          # > 0: fit max_steps to this wall time (timed over the first steps)
 
@@ -243,13 +244,13 @@ def train(cfg: TrainConfig) -> dict:
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(cfg.seed)
 
-    target = load_target(cfg.target, dtype="bfloat16" if cfg.bf16 else "float32", device=device)
+    target = load_target(cfg.target, dtype=cfg.dtype or ("bfloat16" if cfg.bf16 else "float32"), device=device)
     tokenizer = Tokenizer(cfg.target)
     if tokenizer.mask_token_id is None:
         raise BlockspecError("train: the target's tokenizer has no mask_token; add a reserved <|mask|> token")
     mask_token = mask_token_of(Path(cfg.target), tokenizer.mask_token_id)  # written next to its id (SGLang)
     if cfg.init_from:
-        draft = load_draft(cfg.init_from, target=target).requires_grad_(True)
+        draft = load_draft(cfg.init_from, dtype="float32", target=target).requires_grad_(True)  # trained in fp32
     else:
         draft = DraftModel(draft_config_for(cfg, target, tokenizer.mask_token_id))
         if cfg.init_from_target:
