@@ -110,7 +110,8 @@ def main() -> None:
             print(f"| {tree} | {name} | {m['total_ms']:.1f} | {over:+.1f} | {m['first_us']:.0f} | {m['last_us']:.0f} |")
     for name in ("none", "16 long"):
         ratio = med["before", name]["total_ms"] / med["after", name]["total_ms"]
-        print(f"\n{name} stop strings: before / after = {ratio:.1f}x")
+        label = "no stop strings" if name == "none" else f"{name} stop strings"
+        print(f"\n{label}: tracker time before / after = {ratio:.1f}x")
 
 
 if __name__ == "__main__":
