@@ -11,11 +11,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-import uvicorn  # noqa: E402
 
 from blockspec.decoding.engine import Engine  # noqa: E402
 from blockspec.models.checkpoint import save_draft  # noqa: E402
 from blockspec.serving.api import ServerLimits, create_app  # noqa: E402
+from blockspec.serving.runner import server_for  # noqa: E402
 from blockspec.serving.server import add_serve_arguments, build_engine  # noqa: E402
 from conftest import make_draft, write_tiny_target_dir  # noqa: E402
 
@@ -54,15 +54,16 @@ def dflash_engine(target_dir: Path, draft_dir: Path, engine_cls: type[Engine] | 
 class ServerThread:
     """`with ServerThread(app) as url:` serves `app` until the block ends."""
 
-    def __init__(self, app, drain_timeout: float = 5.0) -> None:
-        self.app, self.drain_timeout = app, drain_timeout
+    def __init__(self, app, drain_timeout: float = 5.0, **timeouts: float) -> None:
+        self.app, self.drain_timeout, self.timeouts = app, drain_timeout, timeouts
 
     def __enter__(self) -> str:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=self.drain_timeout)
-        self.server = uvicorn.Server(config)
+        # The server `blockspec serve` runs: the app's drain before the listener closes.
+        self.server = server_for(self.app, "127.0.0.1", port, self.drain_timeout, log_level="warning",
+                                 **self.timeouts)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -83,10 +84,10 @@ def start(engine: Engine, tokenizer, api_key: str | None = KEY, **limits) -> tup
 
 
 def metric(text: str, name: str) -> float:
-    """One unlabelled sample of a Prometheus text page."""
+    """One sample of a Prometheus text page, by its name with labels as printed (`name{a="b"}`)."""
     for line in text.splitlines():
         if line.startswith(name + " "):
-            return float(line.split()[1])
+            return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
 
 

@@ -12,7 +12,8 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterator
 
 from blockspec.decoding.output import Completion
@@ -31,12 +32,35 @@ class RequestOutput:
     finish_reason: str | None   # "stop" | "length" | "cancelled" | "error" once finished
 
 
+@dataclass
+class RequestTimes:
+    """When a request reached each stage of its life (time.monotonic() seconds): what the
+    engine's latency histograms (TTFT, inter-token, end-to-end) are computed from."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    admitted: float | None = None       # prefilled into a KV slot
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    tokens: int = 0                     # tokens delivered so far
+
+    def delivered(self, n: int, now: float) -> float | None:
+        """Record `n` tokens delivered at `now`; the gap since the previous delivery (None: the first)."""
+        gap = None if self.last_token is None else now - self.last_token
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+        self.tokens += n
+        return gap
+
+
 class RequestHandle:
     """Thread-safe view of one request: iterate (sync or async) over deltas,
     block on `result()` or `await handle` for the final Completion."""
 
     def __init__(self, request_id: str, on_output: Callable[[RequestOutput], None] | None = None) -> None:
         self.request_id = request_id
+        self.times = RequestTimes()   # written by the engine thread only
         self._on_output = on_output
         self._lock = threading.Lock()
         self._deltas: queue.Queue[RequestOutput] = queue.Queue()

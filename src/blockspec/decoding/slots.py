@@ -4,12 +4,17 @@ per running request, and the draft context each row has not yet absorbed.
 Running requests always occupy rows 0..R-1 (a leaving request's row is
 refilled by moving the last row), so the running batch is a zero-copy slice
 of the pool. Each slot holds max_model_len positions plus a block margin.
+
+How many slots of how many positions is the memory plan (memory.py): a pure
+function of the models' shapes, dtypes and a byte budget, the budget coming from
+the free memory after the weights (like vLLM's --gpu-memory-utilization).
 """
 
 from __future__ import annotations
 
 import torch
 
+from blockspec.decoding.memory import MemoryPlan, cache_bytes
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.kv_cache import KVCache
@@ -73,56 +78,22 @@ class PendingContext:
         self.lengths[src] = 0
 
 
-def cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: int) -> int:
-    """K and V of `layers` layers for one row of `positions` positions."""
-    return 2 * layers * kv_heads * positions * head_dim * torch.finfo(dtype).bits // 8
-
-
 class SlotPool:
-    """`rows` KV slots of `max_model_len` positions for the target (and the draft).
+    """`plan.slots` KV slots of `plan.max_model_len` positions (plus the block margin) for the
+    target (and the draft): exactly the plan's bytes (`plan.slot_bytes` per slot)."""
 
-    rows = min(max_running, slots that fit in kv_memory_gb GiB of target + draft KV)."""
-
-    def __init__(self, target: TargetModel, draft: DraftModel | None, max_model_len: int, max_running: int,
-                 kv_memory_gb: float | None) -> None:
-        if not isinstance(max_running, int) or max_running < 1:
-            raise BlockspecError(f"max_running must be a positive integer, got {max_running!r}")
-        self.target, self.draft = target, draft
-        margin = draft.config.block_size + 2 if draft is not None else 2
-        self.slot_capacity = max_model_len + margin
-        # Buffered draft context: room for two rounds' tokens (rows flush before they
-        # draft); the draft cache gets that much extra room for a flush's padding.
-        self.pending_capacity = max(32, 2 * (draft.config.block_size + 1)) if draft is not None else 0
-        self.row_bytes = self._row_bytes()
-        self.rows = self._fit(max_running, kv_memory_gb)
+    def __init__(self, target: TargetModel, draft: DraftModel | None, plan: MemoryPlan) -> None:
+        self.target, self.draft, self.plan = target, draft, plan
+        self.slot_capacity = plan.max_model_len + plan.shapes.margin
+        self.pending_capacity = plan.shapes.pending_positions
+        self.row_bytes = plan.slot_bytes
+        self.rows = plan.slots
         with torch.inference_mode():  # inference tensors: every later write happens in inference mode
             self.cache = target.new_cache(self.rows, self.slot_capacity)
             self.draft_cache = (draft.new_cache(self.rows, self.slot_capacity + self.pending_capacity)
                                 if draft is not None else None)
         self.pending = (PendingContext(draft, self.draft_cache, self.pending_capacity)
                         if draft is not None and self.draft_cache is not None else None)
-
-    def _row_bytes(self) -> int:
-        """Bytes of one slot: K and V of every target (and draft) layer, and the pending context."""
-        tc = self.target.config
-        total = cache_bytes(tc.num_hidden_layers, tc.num_key_value_heads, tc.head_dim, self.target.dtype,
-                            self.slot_capacity)
-        if self.draft is not None:
-            dc = self.draft.config
-            total += cache_bytes(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim, self.draft.dtype,
-                                 self.slot_capacity + self.pending_capacity)
-            total += self.pending_capacity * len(dc.target_layer_ids) * dc.hidden_size * 4
-        return total
-
-    def _fit(self, max_running: int, kv_memory_gb: float | None) -> int:
-        if kv_memory_gb is None:
-            return max_running
-        fit = int(kv_memory_gb * 2**30 // self.row_bytes)
-        if fit < 1:
-            raise BlockspecError(
-                f"kv_memory_gb={kv_memory_gb} holds no request slot: one slot of {self.slot_capacity} positions "
-                f"needs {self.row_bytes / 2**30:.4f} GiB; raise kv_memory_gb or lower max_model_len")
-        return min(max_running, fit)
 
     def usage(self, running: int) -> dict[str, int]:
         """Slot and KV-memory figures with `running` rows in use (for /metrics)."""

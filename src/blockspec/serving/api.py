@@ -3,10 +3,13 @@
     app = create_app(engine, tokenizer, "my-model", api_key=None, limits=ServerLimits())
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both `stream` true
-or false), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+or false), GET /v1/models, GET /health, GET /metrics (Prometheus text, metrics.py).
 
 The app owns the engine's background thread: it starts it at startup and
 cancels what is left at shutdown, so pass an engine that is not started.
+`app.state.drain` is the graceful drain (lifecycle.py) a server runs on SIGTERM
+before closing its listener (runner.DrainingServer does). Request parsing, chat
+rendering and tokenization run in worker threads, never on the event loop.
 Every failure is an OpenAI-style JSON error:
 `{"error": {"message", "type", "param", "code"}}`; malformed input is 4xx.
 """
@@ -17,9 +20,11 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -32,9 +37,11 @@ from blockspec.config import SamplingParams
 from blockspec.decoding.engine import Engine, RequestHandle
 from blockspec.errors import BlockspecError
 from blockspec.models.tokenizer import Tokenizer
+from blockspec.serving.lifecycle import Admission, AdmissionGate, shutting_down
+from blockspec.serving.metrics import CONTENT_TYPE, exposition, metrics_registry
 from blockspec.serving.protocol import (CLIENT_CLOSED, ENDPOINTS, ApiError, ChatRequest, CompletionRequest,
                                         SamplingFields, ServerLimits, short_repr, chat_prompt, completion_prompt,
-                                        parse_request, read_body, sampling_params, token_budget)
+                                        parse_request, prompt_byte_limit, read_body, sampling_params, token_budget)
 
 log = logging.getLogger(__name__)
 
@@ -125,17 +132,36 @@ async def until_disconnect(request: Request) -> None:
 class Service:
     """Request handling shared by both generation endpoints."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, limits: ServerLimits) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, limits: ServerLimits,
+                 admission: Admission) -> None:
         self.engine, self.tokenizer, self.model_name, self.limits = engine, tokenizer, model_name, limits
+        self.admission = admission
+        self.max_prompt_bytes = prompt_byte_limit(limits, engine)
+        # Half the cores at most: huge prompts queue here rather than take every core from
+        # the event loop and the engine (the tokenizer releases the GIL but uses the CPU).
+        self.cpu = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="blockspec-cpu")
+
+    async def off_loop(self, fn: Callable[[bytes], Any], body: bytes) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, body)
+
+    # CPU work of a request (JSON validation, chat rendering, tokenization): in a worker
+    # thread, so a huge prompt never stalls the event loop (/health, other streams).
+    def completion_input(self, body: bytes) -> tuple[CompletionRequest, list[int]]:
+        req = parse_request(CompletionRequest, body)
+        return req, completion_prompt(req.prompt, self.tokenizer, self.max_prompt_bytes)
+
+    def chat_input(self, body: bytes) -> tuple[ChatRequest, list[int]]:
+        req = parse_request(ChatRequest, body)
+        return req, chat_prompt(req.messages, self.tokenizer, self.max_prompt_bytes)
 
     async def completions(self, request: Request) -> Response:
-        req = parse_request(CompletionRequest, await read_body(request, self.limits.max_body_bytes))
-        prompt = completion_prompt(req.prompt, self.tokenizer)
+        body = await read_body(request, self.limits.max_body_bytes)
+        req, prompt = await self.off_loop(self.completion_input, body)
         return await self.generate(request, req, prompt, CompletionShape(), "prompt", "max_tokens", req.max_tokens)
 
     async def chat(self, request: Request) -> Response:
-        req = parse_request(ChatRequest, await read_body(request, self.limits.max_body_bytes))
-        prompt = chat_prompt(req.messages, self.tokenizer)
+        body = await read_body(request, self.limits.max_body_bytes)
+        req, prompt = await self.off_loop(self.chat_input, body)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await self.generate(request, req, prompt, ChatShape(), "messages", max_param, requested)
@@ -163,6 +189,8 @@ class Service:
         # submit; the engine thread only ever lowers the count.
         if m["running"] + m["waiting"] >= m["slots"] + self.limits.max_queue:
             raise ApiError(429, "the server is busy (request queue full); retry later", headers={"Retry-After": "1"})
+        if self.admission.draining:  # arrived before the drain, tokenized during it
+            raise shutting_down()
         try:
             return self.engine.submit(prompt, params, request_id=job.id)
         except BlockspecError as exc:
@@ -224,41 +252,6 @@ async def collect_output(handle: RequestHandle) -> tuple[str, int, str | None]:
         tokens += len(out.token_ids)
         reason = out.finish_reason
     return "".join(parts), tokens, reason
-
-
-# -- metrics ----------------------------------------------------------------------------
-
-def prometheus_text(m: dict[str, Any], requests: Counter, num_drafts: int) -> str:
-    """Prometheus exposition text of the server counters and `Engine.metrics()`."""
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:
-        lines.extend([f"# HELP {name} {doc}", f"# TYPE {name} {kind}"])
-        lines.extend(f"{name}{labels} {value}" for labels, value in samples)
-
-    metric("blockspec_requests_total", "counter", "HTTP requests by endpoint and status code.",
-           [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(requests.items())])
-    metric("blockspec_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", m["prompt_tokens"])])
-    metric("blockspec_generation_tokens_total", "counter", "Tokens generated.", [("", m["generated_tokens"])])
-    metric("blockspec_engine_requests_total", "counter", "Engine requests by outcome.",
-           [(f'{{outcome="{k}"}}', m[k]) for k in ("submitted", "finished", "cancelled", "rejected", "failed")])
-    metric("blockspec_num_requests_running", "gauge", "Requests holding a KV slot.", [("", m["running"])])
-    metric("blockspec_num_requests_waiting", "gauge", "Requests queued for a KV slot.", [("", m["waiting"])])
-    metric("blockspec_kv_slots", "gauge", "KV slots (most requests running at once).", [("", m["slots"])])
-    metric("blockspec_kv_cache_bytes_in_use", "gauge", "KV cache bytes held by running requests.",
-           [("", m["kv_bytes_in_use"])])
-    metric("blockspec_kv_cache_bytes_total", "gauge", "KV cache bytes preallocated.", [("", m["kv_bytes_total"])])
-    # Acceptance length = accepted drafts + the bonus token, per request per round (tau's samples).
-    hist = {accepted + 1: n for accepted, n in m["accepted_histogram"].items()}
-    top = max([num_drafts + 1, *hist])
-    buckets = [(f'{{le="{le}"}}', sum(n for k, n in hist.items() if k <= le)) for le in range(1, top + 1)]
-    buckets.append(('{le="+Inf"}', sum(hist.values())))
-    name = "blockspec_acceptance_length"
-    lines.extend([f"# HELP {name} Tokens produced per request per round (accepted drafts + 1).",
-                  f"# TYPE {name} histogram"])
-    lines.extend(f"{name}_bucket{labels} {n}" for labels, n in buckets)
-    lines.extend([f"{name}_sum {sum(k * n for k, n in hist.items())}", f"{name}_count {sum(hist.values())}"])
-    return "\n".join(lines) + "\n"
 
 
 # -- middleware and app ---------------------------------------------------------------------
@@ -323,10 +316,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: s
                              "build it with Engine(..., tokenizer=tokenizer)")
     if api_key is not None and not api_key:
         raise BlockspecError("the API key must not be empty")
-    service = Service(engine, tokenizer, model_name, limits)
+    admission = Admission(engine)
+    service = Service(engine, tokenizer, model_name, limits, admission)
     counts: Counter = Counter()
     started = int(time.time())
     num_drafts = engine.draft.config.num_drafts if engine.draft is not None else 0
+    registry = metrics_registry(engine.metrics, counts, model_name, num_drafts)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -335,10 +330,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: s
             yield
         finally:  # uvicorn has drained (or cancelled) the HTTP requests by now
             await asyncio.to_thread(engine.shutdown, drain=False, timeout=60)
+            service.cpu.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.router.redirect_slashes = False  # a JSON API answers 404, not a redirect
-    app.add_middleware(Guard, api_key=api_key, counts=counts)
+    app.state.drain = admission.drain
+    app.add_middleware(AdmissionGate, admission=admission)
+    app.add_middleware(Guard, api_key=api_key, counts=counts)  # added last: outside the gate
     install_error_handlers(app)
 
     @app.post("/v1/completions")
@@ -359,11 +357,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: s
     async def health() -> Response:
         if engine.failure is not None:
             return ApiError(503, "the engine has stopped; see the server log").response()
+        if admission.draining:  # load balancers stop sending here
+            return shutting_down().response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = prometheus_text(engine.metrics(), counts, num_drafts)
-        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(exposition(registry), media_type=CONTENT_TYPE)
 
     return app

@@ -23,6 +23,10 @@ MAX_STOP_CHARS = 1024
 INT64 = (-2**63, 2**63 - 1)   # torch generators take 64-bit seeds
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499     # nginx's "client closed request": only ever seen in /metrics
+# Default prompt-size limit in bytes, checked before tokenizing: this many bytes per token of
+# the prompt-token limit. Real tokenizers average 3-5 bytes per token; a prompt beyond 16 is
+# refused unread rather than tokenized (CPU time) only to be refused for its token count.
+BYTES_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -33,9 +37,10 @@ class ServerLimits:
     max_queue: int = 256                  # requests waiting beyond the engine's slots; then 429
     max_prompt_tokens: int | None = None  # None: engine.max_model_len - 1
     max_tokens: int | None = None         # None: engine.max_model_len - 1
+    max_prompt_bytes: int | None = None   # None: BYTES_PER_TOKEN x the prompt-token limit
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_prompt_tokens", "max_tokens"):
+        for name in ("max_body_bytes", "max_prompt_tokens", "max_tokens", "max_prompt_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise BlockspecError(f"server limit {name} must be a positive integer, got {value!r}")
@@ -192,11 +197,28 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 # -- from a request to SamplingParams ---------------------------------------------------
 
+def prompt_token_limit(limits: ServerLimits, engine: Engine) -> int:
+    return min(limits.max_prompt_tokens or engine.max_model_len - 1, engine.max_model_len - 1)
+
+
+def prompt_byte_limit(limits: ServerLimits, engine: Engine) -> int:
+    return limits.max_prompt_bytes or BYTES_PER_TOKEN * prompt_token_limit(limits, engine)
+
+
+def check_prompt_bytes(text: str, limit: int, param: str) -> str:
+    """`text`, or a 400 if its UTF-8 form exceeds `limit` bytes (checked before any tokenizing)."""
+    # Each character is 1-4 UTF-8 bytes: the length alone settles most cases without a copy.
+    if len(text) > limit or (4 * len(text) > limit and len(text.encode("utf-8", "surrogatepass")) > limit):
+        raise ApiError(400, f"the prompt exceeds {limit} bytes, the most this server accepts "
+                            "(--max-prompt-bytes)", param)
+    return text
+
+
 def token_budget(requested: int | None, prompt_len: int, engine: Engine, limits: ServerLimits,
                    prompt_param: str, max_param: str) -> int:
     """The request's token budget: at most the server limit and what fits in max_model_len."""
     model_len = engine.max_model_len
-    prompt_limit = min(limits.max_prompt_tokens or model_len - 1, model_len - 1)
+    prompt_limit = prompt_token_limit(limits, engine)
     if prompt_len > prompt_limit:
         raise ApiError(400, f"the prompt has {prompt_len} tokens; this server accepts at most {prompt_limit}",
                        prompt_param)
@@ -241,19 +263,27 @@ def sampling_params(req: SamplingFields, max_new: int, vocab_size: int, max_para
                        max_param if field == "max_new_tokens" else field) from None
 
 
-def completion_prompt(prompt: str | list[int] | list[str] | list[list[int]], tokenizer: Tokenizer) -> list[int]:
+def completion_prompt(prompt: str | list[int] | list[str] | list[list[int]], tokenizer: Tokenizer,
+                      max_bytes: int) -> list[int]:
+    """Token ids of a completion prompt; text over `max_bytes` is refused untokenized. CPU work:
+    the server runs it off the event loop."""
     if prompt and isinstance(prompt, list) and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise ApiError(400, "only one prompt per request is supported; send one request per prompt", "prompt")
         prompt = prompt[0]
-    return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if isinstance(prompt, str):
+        return tokenizer.encode(check_prompt_bytes(prompt, max_bytes, "prompt"))
+    return list(prompt)
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer) -> list[int]:
+def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, max_bytes: int) -> list[int]:
+    """Token ids of the rendered chat; a rendering over `max_bytes` is refused untokenized."""
     plain = [{"role": "system" if m.role == "developer" else m.role,  # "developer" is OpenAI's new "system"
               "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
              for m in messages]
     try:
-        return tokenizer.encode(tokenizer.apply_chat_template(plain))
+        text = tokenizer.apply_chat_template(plain)
     except BlockspecError as exc:
         raise ApiError(400, str(exc), "messages") from None
+    # The template wrote the special tokens (BOS): encoded without adding any, as transformers does.
+    return tokenizer.encode(check_prompt_bytes(text, max_bytes, "messages"), add_special_tokens=False)

@@ -234,8 +234,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-dspark-block-size", type=int, default=None, help="DeepSpec block size (drafts)")
     g.add_argument("--speculative-config", type=speculative_config, default=None,
                    help='JSON, e.g. \'{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}\'')
-    if "--chat-template" not in p._option_string_actions:  # shared model flags may declare it
-        g.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the checkpoint's)")
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -1,0 +1,204 @@
+"""The KV memory plan: how many request slots of how many positions the engine
+preallocates, sized like vLLM's --gpu-memory-utilization.
+
+    budget = utilization x total memory - memory in use now (weights, others) - reserve
+    (or --kv-memory-gb GiB, given directly)
+    max_model_len = the one asked for, else the model's, capped to what one slot can hold
+    slots = min(max_num_seqs, budget // bytes of one slot)
+
+`plan_kv` is a pure function of the models' shapes, dtypes and the budget (testable on
+the meta device with real 8B configs); `memory_budget` reads the device's memory
+(CUDA: torch.cuda.mem_get_info; CPU: /proc/meminfo MemTotal / MemAvailable). A plan
+that cannot hold one sequence is a BlockspecError naming the numbers, never an
+out-of-memory crash later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from blockspec.config import DraftConfig, TargetConfig
+from blockspec.errors import BlockspecError
+from blockspec.models.layers import FusedLinears
+
+GIB = 2**30
+DEFAULT_UTILIZATION = 0.9     # vLLM's default --gpu-memory-utilization
+WORKSPACE_BYTES = GIB         # allocator / library workspace kept out of the KV budget
+MIN_MODEL_LEN = 2
+
+
+def cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: int) -> int:
+    """K and V of `layers` layers for one row of `positions` positions."""
+    return 2 * layers * kv_heads * positions * head_dim * torch.finfo(dtype).bits // 8
+
+
+@dataclass(frozen=True)
+class KVShapes:
+    """Bytes of one slot as a function of its length: per position of the target's (and
+    draft's) K/V, plus the fixed extras every slot carries."""
+
+    target_per_position: int
+    draft_per_position: int     # 0 without a draft
+    margin: int                 # positions beyond max_model_len (a block's overrun + bonus)
+    pending_positions: int      # the draft cache's extra room for buffered context
+    pending_bytes: int          # buffered target features per slot (float32)
+    model_max_len: int          # the target's max_position_embeddings
+
+    @classmethod
+    def of(cls, target: TargetConfig, target_dtype: torch.dtype, draft: DraftConfig | None = None,
+           draft_dtype: torch.dtype | None = None) -> "KVShapes":
+        per_pos = cache_bytes(target.num_hidden_layers, target.num_key_value_heads, target.head_dim, target_dtype, 1)
+        # The longest sequence the target supports: max_position_embeddings, scaled by RoPE scaling.
+        model_len = getattr(target, "supported_length", target.max_position_embeddings)
+        if draft is None:
+            return cls(per_pos, 0, 2, 0, 0, model_len)
+        # Buffered draft context: room for two rounds' tokens (rows flush before they draft).
+        pending = max(32, 2 * (draft.block_size + 1))
+        draft_pos = cache_bytes(draft.num_hidden_layers, draft.num_key_value_heads, draft.head_dim,
+                                draft_dtype or target_dtype, 1)
+        return cls(per_pos, draft_pos, draft.block_size + 2, pending,
+                   pending * len(draft.target_layer_ids) * draft.hidden_size * 4, model_len)
+
+    def slot_bytes(self, max_model_len: int) -> int:
+        capacity = max_model_len + self.margin
+        return (self.target_per_position * capacity + self.draft_per_position * (capacity + self.pending_positions)
+                + self.pending_bytes)
+
+    def longest_fitting(self, budget: int) -> int:
+        """The longest max_model_len one slot of which fits in `budget` bytes (may be < 1)."""
+        fixed = self.slot_bytes(0)
+        return (budget - fixed) // (self.target_per_position + self.draft_per_position)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    shapes: KVShapes
+    slots: int
+    max_model_len: int
+    budget_bytes: int
+    source: str           # where the budget came from, for the start-up line
+    capped: bool = False  # max_model_len lowered from the model's to fit
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.shapes.slot_bytes(self.max_model_len)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    def describe(self) -> str:
+        line = (f"KV plan: {self.slots} slots x {self.max_model_len} positions = {self.total_bytes / GIB:.2f} GiB "
+                f"({self.slot_bytes / GIB:.3f} GiB per slot) of a {self.budget_bytes / GIB:.2f} GiB budget "
+                f"[{self.source}]")
+        if self.capped:
+            line += (f"; max_model_len capped from the model's {self.shapes.model_max_len} to what fits "
+                     "(raise the memory budget for longer contexts)")
+        return line
+
+
+def plan_kv(shapes: KVShapes, budget_bytes: int, max_num_seqs: int, max_model_len: int | None = None,
+            source: str = "") -> MemoryPlan:
+    """Slots x length for `budget_bytes`; BlockspecError if not one sequence fits."""
+    if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+        raise BlockspecError(f"max_num_seqs (max_running) must be a positive integer, got {max_num_seqs!r}")
+    limit = shapes.model_max_len
+    hint = "lower --max-model-len or raise --gpu-memory-utilization / --kv-memory-gb"
+    capped = False
+    if max_model_len is not None:
+        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) \
+                or not MIN_MODEL_LEN <= max_model_len <= limit:
+            raise BlockspecError(f"max_model_len must be an integer in {MIN_MODEL_LEN}..{limit} (the model's "
+                                 f"max_position_embeddings, RoPE scaling included), got {max_model_len!r}")
+        length = max_model_len
+    else:
+        length = min(limit, shapes.longest_fitting(budget_bytes))
+        capped = length < limit
+        if length < MIN_MODEL_LEN:
+            length = limit  # report the model's own length in the error below
+    fit = budget_bytes // shapes.slot_bytes(length) if budget_bytes > 0 else 0
+    if fit < 1:
+        where = f" [{source}]" if source else ""
+        raise BlockspecError(
+            f"the KV budget of {budget_bytes / GIB:.4f} GiB{where} holds no request slot: one sequence of "
+            f"{length} positions needs {shapes.slot_bytes(length) / GIB:.4f} GiB; {hint}")
+    return MemoryPlan(shapes, min(max_num_seqs, fit), length, budget_bytes, source, capped)
+
+
+# -- the budget ---------------------------------------------------------------------------
+
+def device_memory(device: torch.device | str) -> tuple[int, int]:
+    """(total, free) bytes of the memory `device` allocates from."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total, free
+    if device.type == "cpu":
+        info = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info[key] = int(value.split()[0]) * 1024
+        if "MemTotal" not in info or "MemAvailable" not in info:
+            raise BlockspecError("cannot read MemTotal / MemAvailable from /proc/meminfo: give --kv-memory-gb")
+        return info["MemTotal"], info["MemAvailable"]
+    raise BlockspecError(f"cannot measure free memory on device {device}: give --kv-memory-gb")
+
+
+def kv_budget(total: int, free: int, utilization: float, reserve: int) -> int:
+    """utilization x total, less what is in use now (total - free) and the activation reserve."""
+    return int(utilization * total) - (total - free) - reserve
+
+
+def activation_reserve(target: TargetConfig, max_num_seqs: int, block: int) -> int:
+    """Memory kept for the forward passes: float32 logits and probabilities of the widest
+    verification (every slot, a block plus the bonus) and a fixed workspace."""
+    return 2 * max_num_seqs * (block + 1) * target.vocab_size * 4 + WORKSPACE_BYTES
+
+
+def lazy_weight_copies(*models: torch.nn.Module | None) -> int:
+    """Bytes of the concatenated weights FusedLinears will build on first use (fused QKV,
+    gate-up, the draft's context K/V) and that are not built yet: memory the first request
+    takes beside the weights, so it is kept out of the KV budget."""
+    total = 0
+    for model in models:
+        for module in model.modules() if model is not None else ():
+            for value in vars(module).values():
+                if isinstance(value, FusedLinears) and len(value.linears) > 1 and value.weight is None:
+                    total += sum(l.weight.numel() * l.weight.element_size() for l in value.linears)
+    return total
+
+
+def memory_budget(device: torch.device | str, utilization: float | None, kv_memory_gb: float | None,
+                  reserve: int) -> tuple[int, str]:
+    """(KV budget bytes, how it was found): --kv-memory-gb as given, else utilization x the
+    device's memory less what is in use now (call it after the weights are loaded)."""
+    if kv_memory_gb is not None:
+        if utilization is not None:
+            raise BlockspecError("give --kv-memory-gb or --gpu-memory-utilization, not both")
+        if not kv_memory_gb > 0:
+            raise BlockspecError(f"--kv-memory-gb must be > 0, got {kv_memory_gb}")
+        return int(kv_memory_gb * GIB), f"--kv-memory-gb {kv_memory_gb:g}"
+    utilization = DEFAULT_UTILIZATION if utilization is None else utilization
+    if not 0 < utilization <= 1:
+        raise BlockspecError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    total, free = device_memory(device)
+    budget = kv_budget(total, free, utilization, reserve)
+    kind = "GPU" if torch.device(device).type == "cuda" else "host"
+    return budget, (f"{utilization:g} x {total / GIB:.1f} GiB {kind} memory - {(total - free) / GIB:.1f} GiB in use "
+                    f"- {reserve / GIB:.1f} GiB reserve for activations and fused weight copies")
+
+
+def plan_for_models(target: torch.nn.Module, draft: torch.nn.Module | None, max_num_seqs: int,
+                    max_model_len: int | None, kv_memory_gb: float | None,
+                    utilization: float | None) -> MemoryPlan:
+    """The plan of a loaded target (and draft): their shapes and dtypes, the memory free now."""
+    shapes = KVShapes.of(target.config, target.dtype, draft.config if draft is not None else None,
+                         draft.dtype if draft is not None else None)
+    block = draft.config.block_size if draft is not None else 0
+    rows = max_num_seqs if isinstance(max_num_seqs, int) and max_num_seqs > 0 else 1   # plan_kv names a bad one
+    reserve = activation_reserve(target.config, rows, block) + lazy_weight_copies(target, draft)
+    budget, source = memory_budget(target.device, utilization, kv_memory_gb, reserve)
+    return plan_kv(shapes, budget, max_num_seqs, max_model_len, source)

@@ -1,0 +1,108 @@
+"""The KV memory plan with the real Qwen3-8B and Llama-3.1-8B shapes (the published
+config.json values) and 80 / 141 GiB GPUs: it fits, reports slots x length, never
+allocates more than its budget (checked by allocating the pool on the meta device), caps
+max_model_len to what fits, and refuses a plan that cannot hold one sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.config import DraftConfig, TargetConfig
+from blockspec.decoding.memory import (DEFAULT_UTILIZATION, GIB, KVShapes, activation_reserve, kv_budget,
+                                       plan_kv)
+from blockspec.decoding.slots import SlotPool
+from blockspec.errors import BlockspecError
+from blockspec.models.draft import DraftModel
+from blockspec.models.target import TargetModel
+
+# Shape fields of Qwen/Qwen3-8B and meta-llama/Llama-3.1-8B config.json (bfloat16).
+QWEN3_8B = TargetConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        max_position_embeddings=40960, qk_norm=True, torch_dtype="bfloat16")
+LLAMA31_8B = TargetConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                          max_position_embeddings=131072, torch_dtype="bfloat16")
+# Per position: K and V x layers x 8 KV heads x head_dim 128 x 2 bytes.
+PER_POSITION = {"qwen3": 2 * 36 * 8 * 128 * 2, "llama": 2 * 32 * 8 * 128 * 2}
+MAX_NUM_SEQS = 32
+
+
+def meta_target(cfg: TargetConfig) -> TargetModel:
+    with torch.device("meta"):
+        return TargetModel(cfg).to(torch.bfloat16)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def gpu_plan(model: TargetModel, gpu_gib: int, max_model_len: int | None = None):
+    """The plan Engine makes on a GPU of `gpu_gib` GiB holding only these weights."""
+    total = gpu_gib * GIB
+    reserve = activation_reserve(model.config, MAX_NUM_SEQS, 0)
+    budget = kv_budget(total, total - weight_bytes(model), DEFAULT_UTILIZATION, reserve)
+    shapes = KVShapes.of(model.config, model.dtype)
+    return plan_kv(shapes, budget, MAX_NUM_SEQS, max_model_len, source=f"{gpu_gib} GiB"), budget, reserve
+
+
+@pytest.mark.parametrize("cfg", [QWEN3_8B, LLAMA31_8B], ids=["qwen3-8b", "llama3.1-8b"])
+@pytest.mark.parametrize("gpu_gib", [80, 141])
+def test_the_plan_fits_the_gpu(cfg, gpu_gib):
+    model = meta_target(cfg)
+    plan, budget, reserve = gpu_plan(model, gpu_gib)
+    length = cfg.max_position_embeddings
+    slot = PER_POSITION[cfg.model_type] * (length + 2)   # + the AR margin
+    assert plan.max_model_len == length and not plan.capped
+    assert plan.slot_bytes == slot and plan.slots == min(MAX_NUM_SEQS, budget // slot) >= 1
+    assert plan.total_bytes <= budget
+    assert weight_bytes(model) + reserve + plan.total_bytes <= DEFAULT_UTILIZATION * gpu_gib * GIB
+    assert f"{plan.slots} slots x {length} positions" in plan.describe()
+    # Blind preallocation (32 x the model's length) would not fit: 180 GiB for Qwen3-8B, 512 for Llama.
+    assert MAX_NUM_SEQS * slot > gpu_gib * GIB or cfg is QWEN3_8B
+    pool = SlotPool(model, None, plan)   # allocated on the meta device: exactly the plan's bytes
+    assert pool.cache.nbytes == plan.total_bytes and pool.rows == plan.slots
+
+
+def test_expected_slot_counts():
+    # Hand arithmetic: Qwen3-8B on 80 GiB: 0.9 x 80 - 15.3 GiB weights - ~1 GiB reserve = 55.7 GiB
+    # of KV; one 40962-position slot is 5.63 GiB: 9 slots. Llama-3.1-8B: 16.0 GiB per slot: 3.
+    assert gpu_plan(meta_target(QWEN3_8B), 80)[0].slots == 9
+    assert gpu_plan(meta_target(LLAMA31_8B), 80)[0].slots == 3
+    assert gpu_plan(meta_target(LLAMA31_8B), 141)[0].slots == 6
+
+
+def test_with_a_draft_the_slot_holds_its_cache_too():
+    model = meta_target(QWEN3_8B)
+    draft_cfg = DraftConfig(layout="zlab", block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33],
+                            num_target_layers=36, hidden_size=4096, intermediate_size=12288, num_hidden_layers=5,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    with torch.device("meta"):
+        draft = DraftModel(draft_cfg).to(torch.bfloat16)
+    shapes = KVShapes.of(QWEN3_8B, torch.bfloat16, draft_cfg, torch.bfloat16)
+    budget = 60 * GIB
+    plan = plan_kv(shapes, budget, MAX_NUM_SEQS)
+    assert plan.total_bytes <= budget and plan.slots >= 1
+    pool = SlotPool(model, draft, plan)
+    allocated = pool.cache.nbytes + pool.draft_cache.nbytes
+    assert allocated + plan.slots * shapes.pending_bytes == plan.total_bytes   # + the lazily made buffer
+
+
+def test_max_model_len_is_capped_to_what_fits():
+    model = meta_target(LLAMA31_8B)
+    plan, budget, _ = gpu_plan(model, 24)   # 0.9 x 24 - 15 - 1 GiB: ~5.6 GiB of KV, a third of one full slot
+    assert plan.capped and plan.slots == 1 and 2 < plan.max_model_len < LLAMA31_8B.max_position_embeddings
+    assert plan.total_bytes <= budget < PER_POSITION["llama"] * (plan.max_model_len + 3)   # the longest that fits
+    assert "capped" in plan.describe()
+
+
+def test_a_plan_without_room_for_one_sequence_is_a_clear_error():
+    model = meta_target(LLAMA31_8B)
+    with pytest.raises(BlockspecError, match="holds no request slot: one sequence of 131072 positions needs 16"):
+        gpu_plan(model, 24, max_model_len=131072)
+    with pytest.raises(BlockspecError, match="holds no request slot"):
+        gpu_plan(model, 16)   # the weights alone use 0.9 x 16 GiB: a negative budget
+    with pytest.raises(BlockspecError, match="max_model_len must be an integer in 2..131072"):
+        gpu_plan(model, 80, max_model_len=200_000)
+    with pytest.raises(BlockspecError, match="max_num_seqs"):
+        plan_kv(KVShapes.of(LLAMA31_8B, torch.bfloat16), GIB, 0)

@@ -1,0 +1,92 @@
+"""vLLM / SGLang command lines carried over to `blockspec serve`: a `vllm serve MODEL
+--speculative-config ...` line and a `sglang.launch_server --model-path ...` line start
+the server; keys that only tune vLLM's engine are accepted with a warning; an unsupported
+flag is named."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from blockspec.errors import BlockspecError
+from blockspec.serving.server import build_engine, resolve_speculation
+from serving_harness import serve_args, write_models
+from test_api import _up, free_port, wait_for
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return tuple(map(str, write_models(tmp_path_factory.mktemp("models"))))
+
+
+def vllm_line(target: str, draft: str) -> list[str]:
+    config = {"method": "dflash", "model": draft, "num_speculative_tokens": 2,
+              "attention_backend": "flash_attn", "disable_padded_drafter_batch": True}
+    return [target, "--speculative-config", json.dumps(config), "--max-num-seqs", "4",
+            "--gpu-memory-utilization", "0.5", "--max-model-len", "64"]
+
+
+def sglang_line(target: str, draft: str) -> list[str]:
+    return ["--model-path", target, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft,
+            "--speculative-num-draft-tokens", "3", "--mem-fraction-static", "0.5", "--max-running-requests", "4",
+            "--context-length", "64"]
+
+
+@pytest.mark.parametrize("line", [vllm_line, sglang_line], ids=["vllm", "sglang"])
+def test_command_lines_build_the_same_engine(dirs, line, caplog):
+    with caplog.at_level(logging.WARNING):
+        engine, _, name = build_engine(serve_args(*line(*dirs)))
+    assert (engine.method, engine.draft.config.num_drafts, engine.draft.config.block_size) == ("dflash", 2, 3)
+    assert (engine.rows, engine.max_model_len, name) == (4, 64, dirs[0])
+    assert engine.plan.source.startswith("0.5 x ")
+    if line is vllm_line:
+        assert "attention_backend, disable_padded_drafter_batch only tune vLLM's engine; ignored" in caplog.text
+
+
+def test_conflicts_and_unsupported_keys(dirs, capsys):
+    target, draft = dirs
+    with pytest.raises(BlockspecError, match="conflicting target models"):
+        build_engine(serve_args(target, "--model-path", draft))
+    with pytest.raises(BlockspecError, match="conflicting draft counts"):
+        resolve_speculation(serve_args("--draft", draft, "--speculative-num-draft-tokens", "4", "--speculative-config",
+                                       '{"num_speculative_tokens": 2}'))
+    with pytest.raises(BlockspecError, match="not both"):
+        build_engine(serve_args(target, "--kv-memory-gb", "1", "--gpu-memory-utilization", "0.5"))
+    with pytest.raises(SystemExit) as exc:
+        serve_args("--speculative-config", '{"method": "dflash", "speculative_token_tree": "[(0,)]"}')
+    assert exc.value.code == 2 and "speculative_token_tree" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        serve_args(target, "--tensor-parallel-size", "2")
+    assert exc.value.code == 2 and "--tensor-parallel-size" in capsys.readouterr().err   # the one flag, named
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line", [vllm_line, sglang_line], ids=["vllm", "sglang"])
+def test_command_lines_start_the_server(dirs, line):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "blockspec.cli", "serve", *line(*dirs), "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: _up(url, proc), timeout=240)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 64
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "w1 w2", "max_tokens": 8, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        page = httpx.get(f"{url}/metrics").text
+        assert 'blockspec:spec_decode_num_accepted_tokens_per_pos_total{model_name=' in page
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.communicate()[1]
+    assert "KV plan: 4 slots x 64 positions" in err and "Traceback" not in err
