@@ -82,6 +82,7 @@ def main() -> int:
     ap.add_argument("--methods", default="ar,dflash,dspark")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--log", help="append a progress line per cell to this file")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(**json.loads(args.worker))))
@@ -100,7 +101,11 @@ def main() -> int:
             order = ["before", "after"] if (rep + i) % 2 == 0 else ["after", "before"]
             for name in order:
                 runs.setdefault((i, name), []).append(run_cell(trees[name], cell))
-            print(f"repeat {rep + 1}/{args.repeats}, cell {i + 1}/{len(cells)} done", file=sys.stderr, flush=True)
+            line = f"{time.strftime('%H:%M:%S')} repeat {rep + 1}/{args.repeats}, cell {i + 1}/{len(cells)} done"
+            print(line, file=sys.stderr, flush=True)
+            if args.log:
+                with open(args.log, "a") as f:
+                    f.write(line + "\n")
     print(f"{args.repeats} repeats per cell, medians; trees alternate in order; batch 1: {args.limit} HumanEval "
           f"prompts, {args.new_tokens} new tokens, seeded; engine: max(8, 4c) HumanEval prompts, greedy, "
           f"{args.new_tokens} new tokens (ignore EOS)\n")
