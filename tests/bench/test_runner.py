@@ -16,9 +16,10 @@ import torch
 
 from blockspec.bench.arms import accept_pattern
 from blockspec.bench.cli import add_bench_parser
-from blockspec.bench.measure import collect_calibration, throughput_vs_concurrency
+from blockspec.bench.datasets import BenchPrompt
+from blockspec.bench.measure import ArmTotals, collect_calibration, throughput_vs_concurrency
 from blockspec.bench.report import render_markdown
-from blockspec.bench.run import run_bench
+from blockspec.bench.run import _code_quality, _datasets, run_bench
 from blockspec.config import SamplingParams
 from blockspec.decoding.acceptance import RoundRecorder
 from blockspec.decoding.cost_table import CostTable
@@ -120,6 +121,59 @@ def test_bench_calibration_of_dspark(bench):
         assert 0.0 <= cal["ece"] <= 1.0 and 0.0 <= cal["brier"] <= 1.0
         assert cal["n"] == row["acceptance"]["rounds"] * row["drafts"]  # the full window is verified
         assert sum(b["count"] for b in cal["reliability"]) == cal["n"]
+
+
+def test_bench_reports_degeneracy_next_to_tau(bench):
+    results, out = bench
+    for row in results["rows"]:
+        deg = row["degeneracy"]
+        assert deg["tokens"] == row["new_tokens"] and deg["completions"] == LIMIT and deg["n"] == 8
+        assert row["rep8"] == pytest.approx(deg["repeated_tokens"] / deg["tokens"])
+        assert row["looping"] == deg["looping_share"] and 0.0 <= row["looping"] <= 1.0
+        assert row["parse_body"] is None and row["code"] is None         # jsonl prompts name no function
+    # greedy and lossless: every blockspec arm decodes AR's tokens, so the same degeneracy
+    greedy = {r["method"]: r["degeneracy"] for r in results["rows"] if r["temperature"] == 0.0 and r["method"] != "hf"}
+    assert len({json.dumps(d, sort_keys=True) for d in greedy.values()}) == 1
+    md = (out / "results.md").read_text()
+    assert "| tau | rep8 | looping | parse_body |" in md and "repeated 8-gram" in md
+    assert "rep8" in strict_json(out / "results.json")["rows"][0]
+
+
+class CharTokenizer:
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_code_quality_of_an_arm():
+    prompts = [BenchPrompt("a", 'def f(x):\n    """Double."""', "f"), BenchPrompt("b", "def g():", "g"),
+               BenchPrompt("c", "free text")]
+    total = ArmTotals(outputs=[list(map(ord, "\n    return 2 * x\n\ndef h(")), list(map(ord, "\n    pass")),
+                               list(map(ord, "whatever"))])
+    row: dict = {}
+    _code_quality(row, total, prompts, CharTokenizer())
+    assert row["code"] == {"scored": 2, "parsed": 2, "with_body": 1, "parse_rate": 1.0, "body_rate": 0.5}
+    assert row["parse_body"] == 0.5
+    _code_quality(row, total, prompts[2:], CharTokenizer())
+    assert row["code"] is None and row["parse_body"] is None
+
+
+def test_bench_scores_code_prompts(models):
+    prompts = [BenchPrompt(f"p{i}", f'def f{i}(x):\n    """Return x."""', f"f{i}") for i in range(2)]
+    results = run_bench(models / "target", drafts_of(models), {"code": prompts}, ["ar", "dflash"],
+                        temperatures=[0.0], max_new_tokens=MAX_NEW, out_dir=models / "code", ignore_eos=True,
+                        progress=False)
+    for row in results["rows"]:
+        assert row["code"]["scored"] == 2 and 0.0 <= row["parse_body"] <= row["code"]["parse_rate"] <= 1.0
+        assert row["degeneracy"]["completions"] == 2
+
+
+def test_every_kth_prompt_then_limit(models):
+    prompts = [BenchPrompt(f"p{i}", f"text {i}") for i in range(10)]
+    assert [p.id for p in _datasets({"d": prompts}, None, 3, 4)["d"]] == ["p0", "p4", "p8"]
+    assert [p.id for p in _datasets({"d": prompts}, None, 2, 3)["d"]] == ["p0", "p3"]
+    assert [p.id for p in _datasets({"d": prompts}, None, None)["d"]] == [f"p{i}" for i in range(10)]
+    with pytest.raises(BlockspecError, match="every"):
+        run_bench(models / "missing", {}, ["x.jsonl"], every=0, out_dir=models / "never")
 
 
 def test_simulated_acceptance_hits_requested_tau(models):
@@ -230,6 +284,7 @@ def test_cli_parser_and_handler(models, tmp_path, capsys):
                               "--simulate-accept", "3.5", "--repeats", "3", "--concurrency", "1,4"])
     assert (full.methods, full.block_sizes, full.temperatures, full.simulate_accept, full.repeats,
             full.concurrency) == (["ar", "dflash"], [8, 16], [0.0, 0.7], 3.5, 3, [1, 4])
+    assert defaults.every == 1 and parser.parse_args(["bench", "--every", "4"]).every == 4
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--block-sizes", "eight"])
     args = parser.parse_args(["bench", "--target", str(models / "target"), "--datasets",

@@ -38,12 +38,14 @@ METHODS = (*GENERATE_METHODS, "hf", "dspark-scheduled")   # generate's methods p
 
 @dataclass
 class RunRecord:
-    """One timed generation: output tokens, wall time, and (for round-based methods) stats."""
+    """One timed generation: output token count, wall time, (for round-based methods) stats,
+    and the output token ids themselves (the report scores their degeneracy and code quality)."""
 
     tokens: int
     wall_s: float
     stats: RequestStats | None
     timing: Timing | None
+    output: list[int]
 
 
 Runner = Callable[[list[int], SamplingParams], RunRecord]
@@ -118,7 +120,7 @@ def _generate_runner(target: TargetModel, draft: DraftModel | None, method: str,
     def run(ids: list[int], params: SamplingParams) -> RunRecord:
         out = generate(target, [ids], params, draft=draft, method=method, rule=rule)
         completion = out.completions[0]
-        return RunRecord(len(completion.tokens), 0.0, completion.stats, out.timing)
+        return RunRecord(len(completion.tokens), 0.0, completion.stats, out.timing, list(completion.tokens))
     return run
 
 
@@ -141,7 +143,7 @@ def _simulated_runner(target: TargetModel, draft: DraftModel, method: str, tau: 
         completion = out.completions[0]
         if first:
             consumed += completion.stats.rounds
-        return RunRecord(len(completion.tokens), 0.0, completion.stats, out.timing)
+        return RunRecord(len(completion.tokens), 0.0, completion.stats, out.timing, list(completion.tokens))
     return run
 
 
@@ -162,7 +164,8 @@ def _scheduled_runner(target: TargetModel, draft: DraftModel, table: CostTable, 
     def run(ids: list[int], params: SamplingParams) -> RunRecord:
         before = engine.metrics()
         completion = engine.generate([ids], params)[0]
-        return RunRecord(len(completion.tokens), 0.0, completion.stats, _engine_timing(before, engine.metrics()))
+        return RunRecord(len(completion.tokens), 0.0, completion.stats, _engine_timing(before, engine.metrics()),
+                         list(completion.tokens))
     return run
 
 
@@ -191,7 +194,7 @@ def _hf_runner(target_dir: Path, target: TargetModel) -> Runner:
         new = out[0, len(ids):].tolist()
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
         kept = next((i for i, t in enumerate(new) if t in stops), len(new))
-        return RunRecord(kept, 0.0, None, None)
+        return RunRecord(kept, 0.0, None, None, new[:kept])
     return run
 
 

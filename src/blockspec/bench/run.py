@@ -19,7 +19,9 @@ import torch
 
 from blockspec.bench.arms import METHODS, Arm, BenchSetup, build_arms
 from blockspec.bench.datasets import BenchPrompt, load_dataset
-from blockspec.bench.measure import calibrates, collect_calibration, measure, throughput_vs_concurrency, warm_up
+from blockspec.bench.measure import (ArmTotals, calibrates, collect_calibration, measure, throughput_vs_concurrency,
+                                     warm_up)
+from blockspec.bench.quality import code_quality
 from blockspec.bench.report import group_plots, slug, summarize, write_outputs
 from blockspec.config import DRAFT_METHODS, RULES
 from blockspec.decoding.cost_table import profile_cost_table
@@ -31,17 +33,19 @@ from blockspec.models.tokenizer import Tokenizer
 
 __all__ = ["run_bench"]
 
-EncodedSets = dict[str, tuple[list[str], list[list[int]]]]   # dataset -> (prompt ids, token ids)
+EncodedSets = dict[str, tuple[list[BenchPrompt], list[list[int]]]]   # dataset -> (prompts kept, token ids)
 
 
 def _check_args(temperatures: Sequence[float], max_new_tokens: int, limit: int | None, repeats: int,
-                block_sizes: Sequence[int] | None, rule: str) -> None:
+                block_sizes: Sequence[int] | None, rule: str, every: int = 1) -> None:
     if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):
         raise BlockspecError(f"temperatures must be a non-empty list of values >= 0, got {list(temperatures)}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise BlockspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise BlockspecError(f"limit must be a positive integer, got {limit!r}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise BlockspecError(f"every must be a positive integer, got {every!r}")
     if not isinstance(repeats, int) or repeats < 1:
         raise BlockspecError(f"repeats must be a positive integer, got {repeats!r}")
     if block_sizes is not None and (not block_sizes or any(not isinstance(b, int) or b < 1 for b in block_sizes)):
@@ -69,9 +73,11 @@ def _resolve_methods(methods: Sequence[str] | None, drafts: Mapping[str, Any], n
 
 
 def _encode(prompts: Sequence[BenchPrompt], tokenizer: Any, budget: int, notes: list[str],
-            name: str) -> tuple[list[str], list[list[int]]]:
+            name: str) -> tuple[list[BenchPrompt], list[list[int]]]:
     """Token ids per prompt, left-truncated to `budget` (the end is what the model continues)."""
-    ids_out, names, cut = [], [], 0
+    ids_out: list[list[int]] = []
+    kept: list[BenchPrompt] = []
+    cut = 0
     for p in prompts:
         ids = tokenizer.encode(p.text)
         if not ids:
@@ -80,37 +86,38 @@ def _encode(prompts: Sequence[BenchPrompt], tokenizer: Any, budget: int, notes: 
         if len(ids) > budget:
             ids, cut = ids[-budget:], cut + 1
         ids_out.append(ids)
-        names.append(p.id)
+        kept.append(p)
     if cut:
         notes.append(f"{name}: {cut} prompt(s) left-truncated to {budget} tokens to fit the context")
     if not ids_out:
         raise BlockspecError(f"dataset {name}: no usable prompts")
-    return names, ids_out
+    return kept, ids_out
 
 
 def _datasets(specs: Sequence[str] | Mapping[str, Sequence[BenchPrompt]], tokenizer: Any,
-              limit: int | None) -> dict[str, list[BenchPrompt]]:
+              limit: int | None, every: int = 1) -> dict[str, list[BenchPrompt]]:
+    """{name: prompts}: every `every`-th prompt of each dataset (from the first), then the first `limit`."""
     items = specs.items() if isinstance(specs, Mapping) else (load_dataset(s, tokenizer) for s in specs)
     out: dict[str, list[BenchPrompt]] = {}
     for name, prompts in items:
         key, n = name, 2
         while key in out:  # two files with the same stem
             key, n = f"{name}-{n}", n + 1
-        out[key] = list(prompts)[:limit] if limit is not None else list(prompts)
+        out[key] = list(prompts)[::every][:limit]
     if not out:
         raise BlockspecError("no datasets given")
     return out
 
 
 def _encode_sets(datasets: Sequence[str] | Mapping[str, Sequence[BenchPrompt]], tokenizer: Any, limit: int | None,
-                 target: TargetModel, max_new_tokens: int, notes: list[str]) -> EncodedSets:
+                 target: TargetModel, max_new_tokens: int, notes: list[str], every: int = 1) -> EncodedSets:
     """{dataset: (prompt ids, token ids)}, every prompt fitting the model with max_new_tokens after it."""
     budget = target.config.max_position_embeddings - max_new_tokens
     if budget < 1:
         raise BlockspecError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
                              f"{target.config.max_position_embeddings} positions")
     return {name: _encode(prompts, tokenizer, budget, notes, name)
-            for name, prompts in _datasets(datasets, tokenizer, limit).items()}
+            for name, prompts in _datasets(datasets, tokenizer, limit, every).items()}
 
 
 def _machine(device: torch.device) -> str:
@@ -120,18 +127,18 @@ def _machine(device: torch.device) -> str:
 
 
 def _meta(setup: BenchSetup, drafts: Mapping[str, str | Path | None], sets: EncodedSets,
-          limit: int | None, notes: list[str]) -> dict[str, Any]:
+          limit: int | None, every: int, notes: list[str]) -> dict[str, Any]:
     """What was run, on what, so a result file can be trusted (or reproduced) later."""
     device = setup.target.device
     return {
         "target": str(setup.target_dir), "drafts": {k: str(v) for k, v in drafts.items() if v is not None},
         "draft_layouts": {k: d.config.layout for k, d in setup.drafts.items()},
         "methods": setup.methods, "temperatures": setup.temperatures, "max_new_tokens": setup.max_new_tokens,
-        "limit": limit, "repeats": setup.repeats, "block_sizes": setup.block_sizes,
+        "limit": limit, "every": every, "repeats": setup.repeats, "block_sizes": setup.block_sizes,
         "simulate_accept": setup.simulate_accept, "lossless": setup.simulate_accept is None,
         "dtype": str(setup.target.dtype).removeprefix("torch."), "device": str(device),
         "machine": _machine(device), "seed": setup.seed, "ignore_eos": setup.ignore_eos, "rule": setup.rule,
-        "prompts": {name: ids for name, (ids, _) in sets.items()},
+        "prompts": {name: [p.id for p in prompts] for name, (prompts, _) in sets.items()},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "notes": notes,
     }
@@ -153,12 +160,25 @@ def _progress(enabled: bool, total: int) -> Iterator[Callable[[str], None]]:
         yield lambda label: bar.update(task, advance=1, description=label)
 
 
-def _run_group(arms: list[Arm], prompt_ids: list[list[int]], group: dict[str, Any], setup: BenchSetup,
-               tick: Callable[[str], None]) -> list[dict[str, Any]]:
-    """One (dataset, temperature): interleaved timing of every arm, then DSpark calibration."""
+def _code_quality(row: dict[str, Any], total: ArmTotals, prompts: list[BenchPrompt], tokenizer: Any) -> None:
+    """Parse / parse-with-body rates of the arm's completions on prompts that name a function."""
+    if all(p.entry_point is None for p in prompts):
+        row["code"], row["parse_body"] = None, None
+        return
+    texts = [tokenizer.decode(out) for out in total.outputs]
+    row["code"] = code_quality([p.text for p in prompts], texts, [p.entry_point for p in prompts])
+    row["parse_body"] = row["code"]["body_rate"] if row["code"] is not None else None
+
+
+def _run_group(arms: list[Arm], prompts: list[BenchPrompt], prompt_ids: list[list[int]], group: dict[str, Any],
+               setup: BenchSetup, tokenizer: Any, tick: Callable[[str], None]) -> list[dict[str, Any]]:
+    """One (dataset, temperature): interleaved timing of every arm, quality of what each decoded,
+    then DSpark calibration."""
     params = setup.params(group["temperature"], len(prompt_ids))
     totals = measure(arms, prompt_ids, params, setup.repeats, setup.target.device, tick)
     rows = [summarize(a, t, totals[0], group) for a, t in zip(arms, totals)]
+    for row, total in zip(rows, totals):
+        _code_quality(row, total, prompts, tokenizer)
     for row, arm in zip(rows, arms):
         if calibrates(arm):
             assert arm.draft is not None
@@ -168,7 +188,7 @@ def _run_group(arms: list[Arm], prompt_ids: list[list[int]], group: dict[str, An
     return rows
 
 
-def _run_all(arms: list[Arm], sets: EncodedSets, setup: BenchSetup,
+def _run_all(arms: list[Arm], sets: EncodedSets, setup: BenchSetup, tokenizer: Any,
              progress: bool) -> tuple[list[dict[str, Any]], list[Path]]:
     """Every dataset x temperature group, under one progress bar; rows and the plots written."""
     n_prompts = sum(len(ids) for _, ids in sets.values())
@@ -177,10 +197,10 @@ def _run_all(arms: list[Arm], sets: EncodedSets, setup: BenchSetup,
     plot_files: list[Path] = []
     with _progress(progress, total) as tick:
         warm_up(arms, next(iter(sets.values()))[1][0], setup, tick)
-        for name, (_, prompt_ids) in sets.items():
+        for name, (prompts, prompt_ids) in sets.items():
             for temp in setup.temperatures:
                 group = {"dataset": name, "temperature": temp, "repeats": setup.repeats}
-                group_rows = _run_group(arms, prompt_ids, group, setup, tick)
+                group_rows = _run_group(arms, prompts, prompt_ids, group, setup, tokenizer, tick)
                 rows += group_rows
                 plot_files += group_plots(group_rows, setup.block_sizes, setup.out_dir, f"{slug(name)}_t{temp:g}")
     return rows, plot_files
@@ -214,23 +234,24 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
               simulate_accept: float | None = None, *, dtype: str = "float32", device: str | None = None,
               seed: int = 0, ignore_eos: bool = False, rule: str = "rejection",
               cost_table: str | Path | None = None, concurrency: Sequence[int] | None = None,
-              progress: bool = True) -> dict[str, Any]:
+              progress: bool = True, every: int = 1) -> dict[str, Any]:
     """Benchmark every method on every dataset and temperature; write JSON, Markdown and PNGs.
 
     drafts: {"dflash": DIR, "dspark": DIR} (either may be absent / None).
     datasets: specs for `datasets.load_dataset`, or {name: [BenchPrompt]}.
     methods: subset of METHODS (default: ar + every method with a draft).
+    every: take every `every`-th prompt of each dataset (then the first `limit` of those).
     block_sizes: draft block sizes to sweep, each in its draft's own layout
     convention (default: as trained). Returns the results dict (also in
     out_dir/results.json)."""
-    _check_args(temperatures, max_new_tokens, limit, repeats, block_sizes, rule)
+    _check_args(temperatures, max_new_tokens, limit, repeats, block_sizes, rule, every)
     notes: list[str] = []
     method_list = _resolve_methods(methods, drafts, notes)
     dev = resolve_device(device)
     target = load_target(Path(target_dir), dtype=dtype, device=dev)
     loaded = load_drafts(target, drafts, method_list, dtype, dev)
     tokenizer = Tokenizer(Path(target_dir))
-    sets = _encode_sets(datasets, tokenizer, limit, target, max_new_tokens, notes)
+    sets = _encode_sets(datasets, tokenizer, limit, target, max_new_tokens, notes, every)
     max_model_len = max(len(ids) for _, prompt_ids in sets.values() for ids in prompt_ids) + max_new_tokens
     setup = BenchSetup(Path(target_dir), target, loaded, method_list, list(block_sizes) if block_sizes else None,
                        simulate_accept, rule, max_model_len, cost_table, [float(t) for t in temperatures],
@@ -238,9 +259,9 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
     arms = build_arms(setup, notes)
     if simulate_accept is not None:
         notes.append(f"simulated acceptance: tau forced to {simulate_accept} per round; outputs are NOT lossless")
-    rows, plot_files = _run_all(arms, sets, setup, progress)
+    rows, plot_files = _run_all(arms, sets, setup, tokenizer, progress)
     conc, conc_plots = _concurrency(setup, next(iter(sets.values()))[1], concurrency, notes)
-    results = {"meta": _meta(setup, drafts, sets, limit, notes), "rows": rows, "concurrency": conc,
+    results = {"meta": _meta(setup, drafts, sets, limit, every, notes), "rows": rows, "concurrency": conc,
                "plots": [str(p) for p in plot_files + conc_plots]}
     write_outputs(results, setup.out_dir)
     return results
