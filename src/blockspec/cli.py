@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -29,6 +30,7 @@ from blockspec.serving.server import add_serve_parser
 from blockspec.training.calibrate import collect_rollouts, fit_sts, save_temperatures
 from blockspec.training.corpus import build_corpus, train_tokenizer
 from blockspec.training.data import load_prompts, regenerate
+from blockspec.training.regenerate import TURNS, EndpointConfig, regenerate_endpoint
 from blockspec.training.pretrain import PretrainConfig, pretrain
 from blockspec.training.trainer import TrainConfig, train
 
@@ -81,11 +83,49 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> None:
+    if args.endpoint:
+        summary = regenerate_endpoint(endpoint_config(args), Path(args.prompts), Path(args.out))
+        print(json.dumps(summary))
+        if summary["failed"]:
+            raise BlockspecError(f"regenerate: {summary['failed']} of {summary['rows']} rows failed (listed with their "
+                                 f"errors in {summary['failed_file']}); run the same command again to retry them")
+        return
     models = load_models(args.target, chat_template=args.chat_template, **load_options(args))
-    prompts = load_prompts(args.prompts, models.tokenizer, args.num_prompts, seed=args.seed)
+    prompts = load_prompts(args.prompts, models.tokenizer, args.num_prompts or 1000, seed=args.seed)
     n = regenerate(models.target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                    temperature=args.temperature, seed=args.seed)
     print(json.dumps({"prompts": n, "out": args.out}))
+
+
+def add_endpoint_flags(p: argparse.ArgumentParser) -> None:
+    """`regenerate --endpoint ...`: through an OpenAI-compatible server instead of in process."""
+    p.add_argument("--endpoint", default=None,
+                   help="OpenAI-compatible server (vLLM, SGLang, blockspec serve), e.g. http://localhost:8000: the "
+                        "target's answers come from its /v1/chat/completions")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token for --endpoint (default: $OPENAI_API_KEY)")
+    p.add_argument("--model", default=None, help="model name for --endpoint (default: the server's only model)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight with --endpoint")
+    p.add_argument("--turns", choices=TURNS, default="all",
+                   help="all: every assistant turn regenerated in order (the target's own history); last: only "
+                        "the final turn (earlier answers kept as context, not trained on)")
+    p.add_argument("--retries", type=int, default=3, help="retries per request (backoff) on 429 / 5xx / network errors")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--extra-body", default=None,
+                   help='JSON merged into every request, e.g. \'{"chat_template_kwargs": {"enable_thinking": false}}\'')
+
+
+def endpoint_config(args: argparse.Namespace) -> EndpointConfig:
+    try:
+        extra = json.loads(args.extra_body) if args.extra_body else {}
+    except json.JSONDecodeError as exc:
+        raise BlockspecError(f"--extra-body is not valid JSON ({exc})") from None
+    if not isinstance(extra, dict):
+        raise BlockspecError("--extra-body must be a JSON object")
+    return EndpointConfig(endpoint=args.endpoint, api_key=args.api_key, model=args.model, concurrency=args.concurrency,
+                          max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                          turns=args.turns, retries=args.retries, timeout_s=args.request_timeout,
+                          limit=args.num_prompts, extra_body=extra)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -242,11 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_corpus)
 
     p = sub.add_parser("regenerate", help="write the target's own responses to prompts (draft training data)")
-    p.add_argument("--prompts", required=True, help="jsonl of prompt/text/messages, or a corpus directory")
+    p.add_argument("--prompts", required=True,
+                   help="jsonl of prompt/text/messages rows, or a corpus directory; with --endpoint: jsonl (or a "
+                        "JSON array) of messages / ShareGPT conversations / prompt rows")
     p.add_argument("--out", required=True)
+    add_endpoint_flags(p)
     add_target_flag(p)
     add_chat_template_flag(p)   # renders the 'messages' rows
-    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="use the first N rows (default: all with --endpoint, else 1000)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)

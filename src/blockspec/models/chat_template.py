@@ -10,6 +10,7 @@ dynamic attempt the static check cannot see renders as undefined (empty) and exe
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,22 @@ def render(template: str, messages: list[dict[str, Any]], *, add_generation_prom
            special_tokens: dict[str, str], tools: list[dict[str, Any]] | None = None,
            documents: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
     """The prompt text, exactly as transformers' `apply_chat_template(..., tokenize=False)` renders it."""
+    return render_with_spans(template, messages, add_generation_prompt=add_generation_prompt,
+                             special_tokens=special_tokens, tools=tools, documents=documents,
+                             assistant_spans=False, **kwargs)[0]
+
+
+def has_generation_blocks(template: str) -> bool:
+    """Whether the template marks assistant text with `{% generation %}` (transformers' assistant mask)."""
+    return re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
+def render_with_spans(template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                      special_tokens: dict[str, str], tools: list[dict[str, Any]] | None = None,
+                      documents: list[dict[str, Any]] | None = None, assistant_spans: bool = True,
+                      **kwargs: Any) -> tuple[str, list[tuple[int, int]]]:
+    """`render`, plus the character spans [start, end) of the template's `{% generation %}` blocks
+    (transformers' `return_assistant_tokens_mask`); no spans when the template has none."""
     # Imported here, not at module top: transformers takes about a second to import and only chat
     # prompts need it; it is a core dependency (pyproject.toml), so missing means a broken install.
     try:
@@ -161,16 +178,17 @@ def render(template: str, messages: list[dict[str, Any]], *, add_generation_prom
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
     template_kwargs = {**special_tokens, **kwargs}
     try:
-        rendered, _ = render_jinja_template(conversations=[chat], tools=tools, documents=documents,
-                                            chat_template=template, add_generation_prompt=add_generation_prompt,
-                                            **template_kwargs)
+        rendered, spans = render_jinja_template(conversations=[chat], tools=tools, documents=documents,
+                                                chat_template=template, add_generation_prompt=add_generation_prompt,
+                                                return_assistant_tokens_mask=assistant_spans and has_generation_blocks(template),
+                                                **template_kwargs)
     except jinja2.exceptions.SecurityError as exc:
         raise BlockspecError(f"chat template refused by the sandbox: {exc}") from None
     except jinja2.TemplateError as exc:  # raise_exception(...) in the template, undefined values, ...
         raise BlockspecError(f"chat template failed: {exc}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
         raise BlockspecError(f"chat template failed: {type(exc).__name__}: {exc}") from None
-    return rendered[0]
+    return rendered[0], [(int(a), int(b)) for a, b in spans[0]] if spans else []
 
 
 def _read_text(path: Path) -> str:

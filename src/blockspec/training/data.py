@@ -21,6 +21,7 @@ from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
 from blockspec.models.target import TargetModel
 from blockspec.models.tokenizer import Tokenizer
+from blockspec.training.conversations import chat_messages, render_conversation
 
 
 def load_prompts(source: str, tokenizer: Tokenizer, limit: int, seed: int = 0,
@@ -125,32 +126,164 @@ def regenerate(target: TargetModel, prompts: list[list[int]], out: Path, max_new
 
 @dataclass
 class Example:
+    """One training sequence. `response_start`: where the last trained answer begins (evaluation
+    prompts end there); `loss_mask`: True on trained tokens (None: every token from
+    response_start on, the `prompt_ids` / `response_ids` format)."""
     ids: list[int]
     response_start: int
+    loss_mask: list[bool] | None = None
+
+    def mask(self) -> list[bool]:
+        if self.loss_mask is not None:
+            return self.loss_mask
+        return [False] * self.response_start + [True] * (len(self.ids) - self.response_start)
 
 
-def load_examples(path: Path, max_len: int) -> list[Example]:
+def _example(row: Any, max_len: int, tokenizer: Tokenizer | None, end_ids: set[int], where: str) -> Example | None:
+    """A row as an Example cut to max_len, or None when fewer than 2 trained tokens are left."""
+    messages = chat_messages(row, where)
+    if messages is not None:
+        if tokenizer is None:
+            raise BlockspecError(f"{where}: conversation rows need the target's tokenizer (its chat template)")
+        tools = row.get("tools") if isinstance(row.get("tools"), list) else None
+        ids, mask, starts = render_conversation(tokenizer, messages, end_ids, where, tools)
+        ids, mask = ids[:max_len], mask[:max_len]
+        starts = [s for s in starts if s < len(ids) - 1]
+        if sum(mask) < 2 or not starts:
+            return None
+        return Example(ids, starts[-1], mask)
+    if not isinstance(row.get("prompt_ids"), list) or not isinstance(row.get("response_ids"), list):
+        raise BlockspecError(f"{where}: needs 'prompt_ids' and 'response_ids', or a 'messages' / "
+                             "'conversations' chat")
+    ids = (row["prompt_ids"] + row["response_ids"])[:max_len]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise BlockspecError(f"{where}: 'prompt_ids' / 'response_ids' must hold token ids (ints >= 0)")
+    if len(ids) > len(row["prompt_ids"]) + 1:
+        return Example(ids, len(row["prompt_ids"]))
+    return None
+
+
+def load_examples(path: Path, max_len: int, tokenizer: Tokenizer | None = None,
+                  end_ids: set[int] | None = None, vocab_size: int | None = None,
+                  skipped: list[str] | None = None) -> list[Example]:
+    """Training sequences of a JSONL file, one per line, in file order: `prompt_ids` +
+    `response_ids` rows (loss on the response), or conversations (`messages` / ShareGPT
+    `conversations`, rendered with the tokenizer's chat template, loss on every assistant turn;
+    see conversations.py). Each is cut to `max_len` tokens; a row left with fewer than two trained
+    tokens is skipped (its "file:line" appended to `skipped`, for the caller to report)."""
     if not Path(path).is_file():
         raise BlockspecError(f"training data: {path} does not exist (run `blockspec regenerate` first)")
     examples = []
-    for n, line in enumerate(Path(path).open(), 1):
-        row = json.loads(line)
-        if not isinstance(row.get("prompt_ids"), list) or not isinstance(row.get("response_ids"), list):
-            raise BlockspecError(f"training data: {path}:{n} needs 'prompt_ids' and 'response_ids'")
-        ids = (row["prompt_ids"] + row["response_ids"])[:max_len]
-        if len(ids) > len(row["prompt_ids"]) + 1:
-            examples.append(Example(ids, len(row["prompt_ids"])))
+    end_ids = set() if end_ids is None else end_ids
+    with Path(path).open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"training data: {path}:{n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise BlockspecError(f"{where} is not valid JSON ({exc})") from None
+            if not isinstance(row, dict):
+                raise BlockspecError(f"{where}: each line must be a JSON object")
+            example = _example(row, max_len, tokenizer, end_ids, where)
+            if example is not None:
+                if vocab_size is not None and max(example.ids) >= vocab_size:
+                    raise BlockspecError(f"{where}: token id {max(example.ids)} is outside the target's "
+                                         f"vocabulary (0..{vocab_size - 1})")
+                examples.append(example)
+            elif skipped is not None:
+                skipped.append(f"{path}:{n}")
     if not examples:
         raise BlockspecError(f"training data: {path} holds no usable examples")
     return examples
 
 
 def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> input_ids [B, T] (right-padded), loss_mask [B, T] (True on response tokens)."""
+    """-> input_ids [B, T] (right-padded to the longest), loss_mask [B, T] (True on trained tokens)."""
     t = max(len(e.ids) for e in examples)
     ids = torch.full((len(examples), t), pad_id, dtype=torch.long)
     mask = torch.zeros(len(examples), t, dtype=torch.bool)
     for r, e in enumerate(examples):
         ids[r, :len(e.ids)] = torch.tensor(e.ids)
-        mask[r, e.response_start:len(e.ids)] = True
+        mask[r, :len(e.ids)] = torch.tensor(e.mask())
     return ids, mask
+
+
+class EpochBatches:
+    """Deterministic epochs over n examples: epoch e visits every example exactly once, in the
+    order of a permutation seeded by (seed, e) (no sampling with replacement). Step s takes the
+    s-th `global_batch` of that order; the step alone locates the data, so a resumed run
+    continues exactly where it stopped. Rank r of `world` takes every world-th example of the
+    global batch. The last batch of an epoch is short; when it has fewer examples than ranks it
+    is topped up with the epoch's first examples (as torch's DistributedSampler pads), so no
+    rank is ever without data.
+
+    `group_by_length`: within windows of 32 global batches, examples are ordered by length
+    before being cut into batches (whose order is shuffled again), so a batch pads to similar
+    lengths; each epoch still sees every example once."""
+
+    WINDOW = 32
+
+    def __init__(self, lengths: list[int], global_batch: int, seed: int = 0, group_by_length: bool = True) -> None:
+        if global_batch <= 0 or not lengths:
+            raise BlockspecError("training data: need at least one example and a batch size > 0")
+        self.lengths, self.global_batch, self.seed = list(lengths), global_batch, seed
+        self.group_by_length = group_by_length
+        self.steps_per_epoch = -(-len(lengths) // global_batch)
+        self._epoch, self._batches = -1, []
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The global batches of one epoch (example indices), in step order."""
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        order = list(range(len(self.lengths)))
+        rng.shuffle(order)
+        g = self.global_batch
+        if not self.group_by_length:
+            return [order[i:i + g] for i in range(0, len(order), g)]
+        batches = []
+        for w in range(0, len(order), g * self.WINDOW):
+            window = sorted(order[w:w + g * self.WINDOW], key=lambda k: -self.lengths[k])
+            chunk = [window[i:i + g] for i in range(0, len(window), g)]
+            rng.shuffle(chunk)
+            batches += chunk
+        # The short batch (if any) goes last, so every other step has a full global batch.
+        batches.sort(key=lambda b: len(b) < g)
+        return batches
+
+    def batch(self, step: int, rank: int = 0, world: int = 1) -> list[int]:
+        """The example indices rank `rank` trains on at `step` (0-based)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._batches = epoch, self.epoch_batches(epoch)
+        chosen = self._batches[k]
+        if len(chosen) < world:
+            first = [i for b in self._batches for i in b]
+            chosen = chosen + first[:world - len(chosen)]
+        return chosen[rank::world]
+
+
+def default_mask_token_id(tokenizer: Tokenizer, vocab_size: int) -> int:
+    """The first embedding row past every token the tokenizer has (its vocabulary and added special
+    tokens), as the published Qwen3 DFlash drafts use (151669 for Qwen3's 151669 tokens in a
+    151936-row embedding): a row no text ever encodes to."""
+    used = max(tokenizer.backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    first = max(used, tokenizer.vocab_size)
+    if first >= vocab_size:
+        raise BlockspecError(f"mask token: the tokenizer uses every embedding row of the target (ids 0..{first - 1}, "
+                             f"vocab_size {vocab_size}); pass --mask-token-id (e.g. a reserved special token)")
+    return first
+
+
+def resolve_mask_token_id(requested: int | None, tokenizer: Tokenizer, vocab_size: int) -> int:
+    """--mask-token-id: the id asked for (checked against the embedding), else the tokenizer's own
+    mask_token when it has one, else `default_mask_token_id`."""
+    if requested is not None and requested >= 0:
+        if requested >= vocab_size:
+            raise BlockspecError(f"--mask-token-id {requested} is outside the target's embedding (0..{vocab_size - 1})")
+        return requested
+    if requested is not None and requested != -1:
+        raise BlockspecError(f"--mask-token-id must be a token id >= 0 (or -1: the default), got {requested}")
+    if tokenizer.mask_token_id is not None:
+        return tokenizer.mask_token_id
+    return default_mask_token_id(tokenizer, vocab_size)
