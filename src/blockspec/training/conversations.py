@@ -23,6 +23,7 @@ A message with `"train": false` stays in the context but is not trained on (rege
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -164,12 +165,18 @@ def render_conversation(tokenizer: Tokenizer, messages: list[dict[str, Any]], en
     (transformers' rule for its assistant mask)."""
     text, spans = assistant_spans(tokenizer, messages, end_ids, where, tools)
     enc = tokenizer.backend.encode(text, add_special_tokens=False)
+    firsts, lasts = [a for a, _ in enc.offsets], [b for _, b in enc.offsets]
+    ordered = all(x <= y for x, y in zip(firsts, firsts[1:])) and all(x <= y for x, y in zip(lasts, lasts[1:]))
     mask = [False] * len(enc.ids)
     starts = []
     for start, end in spans:
-        inside = [k for k, (a, b) in enumerate(enc.offsets) if a < end and b > start]
+        if ordered:   # offsets rise with the token index: the tokens overlapping [start, end) are a range
+            lo, hi = bisect.bisect_right(lasts, start), bisect.bisect_left(firsts, end)
+            inside = range(lo, max(lo, hi))
+        else:
+            inside = [k for k, (a, b) in enumerate(enc.offsets) if a < end and b > start]
         for k in inside:
             mask[k] = True
-        if inside:
+        if len(inside):
             starts.append(inside[0])
     return list(enc.ids), mask, starts
