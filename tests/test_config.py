@@ -34,8 +34,12 @@ def test_replace_validates_like_construction():
         dataclasses.replace(cfg, head_dim=7)
     with pytest.raises(BlockspecError, match="model_type 'gpt2'"):
         dataclasses.replace(cfg, model_type="gpt2")
-    with pytest.raises(BlockspecError, match="rope type 'yarn'"):
-        RopeConfig(rope_type="yarn")
+    with pytest.raises(BlockspecError, match="rope type 'proportional'"):
+        RopeConfig(rope_type="proportional")
+    with pytest.raises(BlockspecError, match="dynamic rope needs max_position_embeddings"):
+        RopeConfig(rope_type="dynamic", factor=2.0)
+    with pytest.raises(BlockspecError, match="sliding window needs the layers"):
+        dataclasses.replace(cfg, attention_window=8)
     with pytest.raises(BlockspecError, match="rope_theta"):
         dataclasses.replace(cfg.rope, theta=0.0)
     draft_cfg = make_draft(make_target(), "zlab", 4).config

@@ -192,7 +192,10 @@ class RopeConfig:
             theta=theta, rope_type=rope_type, factor=float(factor),
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(original), max_position_embeddings=int(max_pos),
+            # only the types that read them carry the lengths (others keep the defaults, so a
+            # config equals its round trip)
+            original_max_position_embeddings=int(original) if rope_type in ("llama3", "yarn", "longrope") else 8192,
+            max_position_embeddings=int(max_pos) if rope_type in ("dynamic", "longrope") else None,
             attention_factor=number("attention_factor", None),
             # transformers: `beta_fast or 32`, `beta_slow or 1` (0 / None mean the default)
             beta_fast=number("beta_fast", None) or 32.0, beta_slow=number("beta_slow", None) or 1.0,
@@ -234,7 +237,9 @@ def _sliding_window(raw: dict[str, Any], model_type: str, where: str) -> tuple[i
     elif model_type in ("qwen2", "qwen3"):
         window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
         layer_types = raw.get("layer_types")
-        if layer_types is None:
+        if window is None:  # transformers: no window, every layer full whatever layer_types says
+            layers = ()
+        elif layer_types is None:
             first = raw.get("max_window_layers", 28)
             _require(isinstance(first, int), f"{where}: max_window_layers must be an integer, got {first!r}")
             layers = tuple(i for i in range(n) if i >= first)
@@ -244,8 +249,6 @@ def _sliding_window(raw: dict[str, Any], model_type: str, where: str) -> tuple[i
                      f"{where}: layer_types must list 'full_attention' / 'sliding_attention' for each of "
                      f"the {n} layers, got {layer_types!r}")
             layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-        if window is None:
-            layers = ()
     else:
         window, layers = None, ()
     if window is not None:

@@ -60,3 +60,83 @@ def test_packing_used_on_cpu_float32() -> None:
     with torch.no_grad():
         lin64(torch.randn(2, 8, dtype=torch.float64))
     assert lin64._fast.packed is None   # float64 keeps the exact reference GEMM
+
+
+# -- RoPE scaling and the sliding-window mask against transformers -----------------------
+
+ROPE_CASES = [
+    {"rope_type": "default"},
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2,
+     "truncate": False, "mscale": 0.7, "mscale_all_dim": 1.0},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "attention_factor": 1.5},
+    {"rope_type": "longrope", "original_max_position_embeddings": 64,
+     "short_factor": [1.0 + 0.1 * i for i in range(16)], "long_factor": [1.0 + i for i in range(16)]},
+]
+
+
+def _hf_rope(params: dict):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = transformers.LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=32, max_position_embeddings=256,
+                                   rope_parameters={"rope_theta": 50000.0, **params})
+    return cfg, transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg), ROPE_INIT_FUNCTIONS
+
+
+@pytest.mark.parametrize("params", ROPE_CASES, ids=lambda p: p["rope_type"])
+def test_rope_matches_transformers(params: dict) -> None:
+    """Inverse frequencies, attention scaling and cos/sin (sign folded into sin) equal
+    transformers' for every supported type, including past max_position_embeddings
+    for the length-dependent ones (one call over the whole sequence)."""
+    from blockspec.config import RopeConfig
+
+    hf_cfg, hf_rope, _ = _hf_rope(params)
+    raw = {"max_position_embeddings": 256, "rope_parameters": {"rope_theta": 50000.0, **params}}
+    rope = RopeConfig.from_hf(raw, "test")
+    ours = layers.RotaryEmbedding(32, rope)
+    assert ours.attention_scaling == pytest.approx(hf_rope.attention_scaling, rel=1e-12)
+    assert torch.equal(ours.inv_freq, hf_rope.inv_freq)
+    for length in (40, 300):  # within, and past, max_position_embeddings
+        pos = torch.arange(length).unsqueeze(0)
+        hf_cos, hf_sin = hf_rope(torch.zeros(1, dtype=torch.float32), pos)
+        cos, signed_sin = ours(pos, torch.float32, seq_len=torch.tensor([[length]]))
+        torch.testing.assert_close(cos[:, 0], hf_cos, rtol=0, atol=1e-6)
+        half = 16
+        torch.testing.assert_close(signed_sin[:, 0, :, half:], hf_sin[..., half:], rtol=0, atol=1e-6)
+        torch.testing.assert_close(signed_sin[:, 0, :, :half], -hf_sin[..., :half], rtol=0, atol=1e-6)
+
+
+def test_length_dependent_rope_uses_each_tokens_own_length() -> None:
+    """dynamic: a token's frequencies come from its own sequence length; up to
+    max_position_embeddings they are the plain ones."""
+    from blockspec.config import RopeConfig
+
+    rope = RopeConfig(rope_type="dynamic", factor=2.0, max_position_embeddings=16)
+    emb = layers.RotaryEmbedding(8, rope)
+    plain = layers.RotaryEmbedding(8, RopeConfig())
+    pos = torch.arange(30).unsqueeze(0)
+    cos, _ = emb(pos, torch.float32)                          # seq_len = position + 1
+    ref, _ = plain(pos, torch.float32)
+    assert torch.equal(cos[..., :16, :], ref[..., :16, :]) and not torch.allclose(cos[..., 16:, :], ref[..., 16:, :])
+    one_call, _ = emb(pos, torch.float32, seq_len=torch.tensor([[30]]))
+    last, _ = emb(pos[:, -1:], torch.float32)                # the last token alone: same length, same rotation
+    torch.testing.assert_close(one_call[..., -1:, :], last)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_sliding_window_mask_is_transformers_overlay(window: int) -> None:
+    """key j visible to query i iff j <= i and j > i - window; a given mask is narrowed."""
+    from blockspec.models.kv_cache import sliding_window_mask
+
+    q = torch.tensor([[0, 2, 5, 9]])
+    got = sliding_window_mask(None, q, 10, window)[0, 0]
+    for t, i in enumerate(q[0].tolist()):
+        assert got[t].tolist() == [i - window < j <= i for j in range(10)]
+    custom = torch.rand(1, 1, 4, 10) > 0.5                 # a given mask keeps its own causality
+    band = torch.arange(10).view(1, 10) > q[0].view(4, 1) - window
+    assert torch.equal(sliding_window_mask(custom, q, 10, window), custom & band)

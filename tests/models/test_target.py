@@ -108,7 +108,8 @@ def _edit_config(path, **changes):
     (lambda p: _edit_config(p, num_hidden_layers=2), "does not describe"),
     (lambda p: (p / "model.safetensors").write_bytes(b"garbage"), "cannot read"),
     (lambda p: (p / "model.safetensors").unlink(), "no model.safetensors"),
-    (lambda p: _edit_config(p, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn'"),
+    (lambda p: _edit_config(p, rope_scaling={"rope_type": "proportional", "factor": 4.0}),
+     "rope type 'proportional'"),
     (lambda p: _edit_config(p, num_key_value_heads=3), "multiple of num_key_value_heads"),
 ])
 def test_bad_checkpoints_raise_clear_errors(tmp_path, mutate, message):

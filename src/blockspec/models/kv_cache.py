@@ -15,6 +15,20 @@ import torch
 from blockspec.errors import BlockspecError
 
 
+def sliding_window_mask(mask: torch.Tensor | None, q_pos: torch.Tensor, key_len: int, window: int) -> torch.Tensor:
+    """Sliding-window attention mask [B, 1, T, key_len] (True = may attend), as
+    transformers' sliding_window_overlay: query at position i sees keys j with
+    i - window < j. `mask` [.., 1, T, key_len] is the causal (or custom) mask it
+    narrows; None means plain causal (j <= i). q_pos [B, T]: the queries' positions,
+    key j sits at position j."""
+    key = torch.arange(key_len, device=q_pos.device).view(1, 1, key_len)
+    q = q_pos.unsqueeze(-1)
+    band = key > q - window
+    if mask is None:
+        return (band & (key <= q)).unsqueeze(1)
+    return mask & band.unsqueeze(1)
+
+
 class KVCache:
     def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:

@@ -37,8 +37,47 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def _rope_exponents(head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """arange(0, d, 2) / d in float32, computed as transformers does (its inverse
+    frequencies are float32 throughout; matching them keeps logits equal to its own)."""
+    return torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+
+
+def _yarn_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """transformers' _compute_yarn_parameters: NTK-by-parts interpolation."""
+    base, dim, factor = rope.theta, head_dim, rope.factor
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers: prevents a division by zero
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    """Inverse frequencies [head_dim / 2] (float32), as transformers' rope init functions.
+
+    For the length-dependent types this is the short-sequence set (dynamic: the plain
+    frequencies; longrope: short_factor); `RotaryEmbedding` switches per token."""
+    exps = _rope_exponents(head_dim)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope)
+    if rope.rope_type == "longrope":
+        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta ** exps)
+    base = rope.theta
+    if rope.rope_type == "dynamic":
+        # transformers initialises with seq_len = max_position_embeddings (python floats)
+        m = rope.max_position_embeddings
+        base = base * ((rope.factor * m / m) - (rope.factor - 1)) ** (head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (base ** exps)
     if rope.rope_type == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.rope_type == "llama3":
@@ -51,36 +90,108 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
         smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
         mid = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        is_mid = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_mid, mid, scaled)
-    return inv_freq.float()
+    return inv_freq
+
+
+def rope_attention_scaling(rope: RopeConfig) -> float:
+    """The factor transformers multiplies cos and sin by (yarn's mscale, longrope's)."""
+    if rope.rope_type == "yarn":
+        if rope.attention_factor is not None:
+            return rope.attention_factor
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if rope.mscale and rope.mscale_all_dim:
+            return float(mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim))
+        return mscale(rope.factor)
+    if rope.rope_type == "longrope":
+        if rope.attention_factor is not None:
+            return rope.attention_factor
+        if rope.factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
+    return 1.0
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding. cos/sin tables are built once per dtype and
     grown on demand, so a decode step only indexes them. The sin table carries
-    the rotation's sign (-sin on the first half) so `apply_rope` is three ops."""
+    the rotation's sign (-sin on the first half) so `apply_rope` is three ops.
+    Both carry the rope type's attention scaling (yarn), as transformers' do.
+
+    Length-dependent types (dynamic, longrope): transformers recomputes the
+    frequencies at every forward from that call's sequence length s (max position
+    + 1), and a cached token keeps the rotation of the call that computed it. So
+    each token here gets the frequencies of its own s: a prompt run in one call,
+    s = the prompt's length; a later token at position p, s = p + 1 (exactly
+    transformers' generate with a cache, one token per call; a verified block
+    equals decoding it token by token, as lossless verification needs). `seq_len`
+    [B, T] gives each token's s (default positions + 1). transformers' module also
+    keeps state across calls (a longer earlier sequence leaves enlarged frequencies
+    behind for a later mid-length one); that history effect is not reproduced: each
+    request runs as on a fresh model."""
 
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
+        self.rope, self.head_dim = rope, head_dim
+        self.attention_scaling = rope_attention_scaling(rope)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._table_key: tuple | None = None
+
+    def _cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """freqs [..., D/2] float32 -> cos, signed sin [..., D] (scaled, then cast)."""
+        sin = freqs.sin()
+        cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
     def table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not torch.compiler.is_compiling():  # (data_ptr cannot be traced; the eager step ran first)
+            key = (self.inv_freq.data_ptr(), self.inv_freq.device)
+            if key != self._table_key:  # inv_freq replaced (a loader recomputes it) or moved
+                self._tables.clear()
+                self._table_key = key
         cos_sin = self._tables.get(dtype)
         if cos_sin is None or cos_sin[0].shape[0] < length or cos_sin[0].device != self.inv_freq.device:
             size = max(length, 2 * (cos_sin[0].shape[0] if cos_sin else 1024))
             freqs = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32).unsqueeze(-1) * self.inv_freq
-            sin = freqs.sin()
-            cos_sin = (torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype))
+            cos_sin = self._cos_sin(freqs, dtype)
             self._tables[dtype] = cos_sin
         return cos_sin
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype, limit: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] (all < limit when given) -> cos, signed sin [B, 1, T, head_dim]."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, limit: int | None = None,
+                seq_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] (all < limit when given) -> cos, signed sin [B, 1, T, head_dim].
+        seq_len [B, T] (or broadcastable): each token's sequence length, read only by
+        the length-dependent types (see the class docstring)."""
+        if self.rope.length_dependent:
+            return self._length_dependent(positions, dtype, positions + 1 if seq_len is None else seq_len)
         cos, sin = self.table(int(positions.max()) + 1 if limit is None else limit, dtype)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def _length_dependent(self, positions: torch.Tensor, dtype: torch.dtype, seq_len: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        rope, dim = self.rope, self.head_dim
+        s = seq_len.expand_as(positions).unsqueeze(-1)                       # [B, T, 1]
+        exps = _rope_exponents(dim, positions.device)
+        if rope.rope_type == "dynamic":
+            m = rope.max_position_embeddings
+            # transformers' _compute_dynamic_ntk_parameters with a tensor seq_len (float32)
+            base = rope.theta * ((rope.factor * s.clamp(min=m) / m) - (rope.factor - 1)) ** (dim / (dim - 2))
+            grown = 1.0 / (base ** exps)
+            # s <= max_position_embeddings: the module's initial frequencies, unchanged
+            inv = torch.where(s > m, grown, self.inv_freq)
+        else:  # longrope: long factors once the call's sequence exceeds the original length
+            long = 1.0 / (torch.tensor(rope.long_factor, dtype=torch.float32, device=positions.device)
+                          * rope.theta ** exps)
+            inv = torch.where(s > rope.original_max_position_embeddings, long, self.inv_freq)
+        cos, sin = self._cos_sin(positions.unsqueeze(-1).float() * inv, dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

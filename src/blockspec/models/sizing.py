@@ -138,7 +138,8 @@ def build_on_meta(make: Callable[[], M]) -> M:
 
 def target_size(cfg: TargetConfig) -> ModelSize:
     """Tensors of a target (HF names without `model.`; lm_head absent when tied)."""
-    one = build_on_meta(lambda: TargetModel(replace(cfg, num_hidden_layers=1)))
+    # (a sliding window holds no tensors; its layer list would not fit one layer)
+    one = build_on_meta(lambda: TargetModel(replace(cfg, num_hidden_layers=1, attention_window=None, window_layers=())))
     shapes = {k: tuple(v.shape) for k, v in one.state_dict().items()}
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from blockspec.config import TargetConfig
-from blockspec.models.kv_cache import KVCache
+from blockspec.models.kv_cache import KVCache, sliding_window_mask
 from blockspec.models.layers import Attention, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 
@@ -54,6 +54,9 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        # Sliding-window layers attend under a second, narrower mask (built once per
+        # forward, only when the config has a window).
+        self._window_layers = frozenset(cfg.window_layers)
         self._compiled_decode: Callable[[torch.Tensor, KVCache], torch.Tensor] | None = None
 
     @property
@@ -68,6 +71,16 @@ class TargetModel(nn.Module):
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, cfg.head_dim,
                        capacity, self.dtype, self.device)
+
+    def _layer_masks(self, mask: torch.Tensor | None, q_pos: torch.Tensor, key_len: int) -> list[torch.Tensor | None]:
+        """Each layer's attention mask: `mask` for full-attention layers, `mask` narrowed
+        to the sliding window (queries at q_pos [B, T]) for the window's layers."""
+        n = len(self.layers)
+        window = self.config.attention_window
+        if window is None:
+            return [mask] * n
+        narrowed = sliding_window_mask(mask, q_pos, key_len, window)
+        return [narrowed if i in self._window_layers else mask for i in range(n)]
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, *,
                 num_new: torch.Tensor | None = None, capture: tuple[int, ...] = (),
@@ -84,9 +97,12 @@ class TargetModel(nn.Module):
         """
         b, t = input_ids.shape
         h = self.embed_tokens(input_ids)
+        seq_len = None  # per-token sequence length, for length-dependent RoPE only
         if cache is None:
             positions = torch.arange(t, device=h.device).expand(b, t)
             slots, upto = None, t
+            if self.rotary.rope.length_dependent:  # one call over the whole sequence
+                seq_len = positions.new_full((1, 1), t)
         else:
             cache.check_room(t)
             positions = cache.positions(t)
@@ -95,10 +111,16 @@ class TargetModel(nn.Module):
                 mask, upto = cache.causal_mask(t)
             else:
                 upto = mask.shape[-1]
-        cos, sin = self.rotary(positions, h.dtype)
+            if self.rotary.rope.length_dependent:
+                # A row started by this call (its prompt) has the prompt's length; later
+                # tokens each their own (RotaryEmbedding's docstring).
+                n = torch.as_tensor(t if num_new is None else num_new, device=h.device).expand(b)
+                seq_len = torch.where((cache.lengths == 0).unsqueeze(1), n.unsqueeze(1), positions + 1)
+        cos, sin = self.rotary(positions, h.dtype, seq_len=seq_len)
+        masks = self._layer_masks(mask, positions, upto)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, cache, slots, upto)
+            h = layer(h, cos, sin, masks[i], cache, slots, upto)
             if i in capture:
                 captured[i] = h
         if cache is not None:
@@ -129,8 +151,9 @@ class TargetModel(nn.Module):
         h = self.embed_tokens(tokens.unsqueeze(1))
         cos, sin = self.rotary(pos, h.dtype, limit=cache.capacity)
         mask = (torch.arange(cache.capacity, device=h.device) <= pos).view(-1, 1, 1, cache.capacity)
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask, cache, pos, cache.capacity)
+        masks = self._layer_masks(mask, pos, cache.capacity)
+        for layer, layer_mask in zip(self.layers, masks):
+            h = layer(h, cos, sin, layer_mask, cache, pos, cache.capacity)
         return self.lm_head(self.norm(h))
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -165,10 +188,16 @@ class TargetModel(nn.Module):
         mask = (torch.arange(upto, device=tokens.device).view(1, 1, upto) <= limit.unsqueeze(-1)).unsqueeze(1)
         h = self.embed_tokens(tokens).unsqueeze(0)
         slots = cache.lengths[rows] + cols
-        cos, sin = self.rotary(slots.unsqueeze(0), h.dtype)
+        seq_len = None
+        if self.rotary.rope.length_dependent:  # as in `forward`: a row started here has its count
+            seq_len = torch.where(cache.lengths[rows] == 0, counts[rows], slots + 1).unsqueeze(0)
+        cos, sin = self.rotary(slots.unsqueeze(0), h.dtype, seq_len=seq_len)
+        # Padding queries (beyond a row's count) are clamped into the key range so that
+        # their sliding window is never empty (their outputs are dropped).
+        masks = self._layer_masks(mask, limit.clamp(max=upto - 1), upto)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, cache, slots, upto, (rows, cols))
+            h = layer(h, cos, sin, masks[i], cache, slots, upto, (rows, cols))
             if i in capture:
                 captured[i] = h
         cache.advance(counts)
