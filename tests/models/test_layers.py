@@ -140,3 +140,24 @@ def test_sliding_window_mask_is_transformers_overlay(window: int) -> None:
     custom = torch.rand(1, 1, 4, 10) > 0.5                 # a given mask keeps its own causality
     band = torch.arange(10).view(1, 10) > q[0].view(4, 1) - window
     assert torch.equal(sliding_window_mask(custom, q, 10, window), custom & band)
+
+
+def test_fused_linears_keep_no_weight_copy_off_the_cpu():
+    """Off the CPU (meta here, CUDA in use) fused QKV / gate-up run one GEMM per layer and
+    never build a concatenated copy of the weights; on the CPU they do, once, and both
+    give the separate layers' outputs."""
+    from blockspec.models.layers import Attention
+
+    for device in ("meta", "cpu"):
+        torch.manual_seed(0)
+        attn = Attention(32, 4, 2, 8, True, False, True, 1e-6).to(device)
+        x = torch.randn(2, 3, 32, device=device)
+        with torch.no_grad():
+            fused = attn._qkv.full(x)
+            parts = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+        assert fused.shape == (2, 3, 64)
+        if device == "meta":
+            assert attn._qkv.weight is None and attn._qkv.pending_copy_bytes() == 0
+        else:
+            assert attn._qkv.weight is not None and attn._qkv.pending_copy_bytes() == 0
+            torch.testing.assert_close(fused, torch.cat(parts, dim=-1))

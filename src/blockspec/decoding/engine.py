@@ -79,7 +79,7 @@ class Engine:
     (decoding/memory.py): rows = min(max_running, slots that fit in the budget:
     kv_memory_gb GiB of target + draft KV, else gpu_memory_utilization (default
     0.9) x the device's memory less what is in use); each slot holds max_model_len
-    positions (default: the target's max_position_embeddings, capped to what fits).
+    positions (default: the target's supported length, capped to what fits).
     min_survival (scheduled): drafts whose prefix survival is below it are neither
     drafted nor verified.
     draft_gate: skip drafting, or draft a shorter block, in rounds where the cost

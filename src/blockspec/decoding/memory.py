@@ -45,14 +45,14 @@ class KVShapes:
     margin: int                 # positions beyond max_model_len (a block's overrun + bonus)
     pending_positions: int      # the draft cache's extra room for buffered context
     pending_bytes: int          # buffered target features per slot (float32)
-    model_max_len: int          # the target's max_position_embeddings
+    model_max_len: int          # the target's supported length (max_position_embeddings, RoPE scaling included)
 
     @classmethod
     def of(cls, target: TargetConfig, target_dtype: torch.dtype, draft: DraftConfig | None = None,
            draft_dtype: torch.dtype | None = None) -> "KVShapes":
         per_pos = cache_bytes(target.num_hidden_layers, target.num_key_value_heads, target.head_dim, target_dtype, 1)
         # The longest sequence the target supports: max_position_embeddings, scaled by RoPE scaling.
-        model_len = getattr(target, "supported_length", target.max_position_embeddings)
+        model_len = target.supported_length
         if draft is None:
             return cls(per_pos, 0, 2, 0, 0, model_len)
         # Buffered draft context: room for two rounds' tokens (rows flush before they draft).
@@ -159,15 +159,15 @@ def activation_reserve(target: TargetConfig, max_num_seqs: int, block: int) -> i
 
 
 def lazy_weight_copies(*models: torch.nn.Module | None) -> int:
-    """Bytes of the concatenated weights FusedLinears will build on first use (fused QKV,
-    gate-up, the draft's context K/V) and that are not built yet: memory the first request
-    takes beside the weights, so it is kept out of the KV budget."""
+    """Bytes of the concatenated weights FusedLinears will build on first use on the CPU
+    (fused QKV, gate-up, the draft's context K/V; none on a GPU) and that are not built
+    yet: memory the first request takes beside the weights, so it is kept out of the KV budget."""
     total = 0
     for model in models:
         for module in model.modules() if model is not None else ():
             for value in vars(module).values():
-                if isinstance(value, FusedLinears) and len(value.linears) > 1 and value.weight is None:
-                    total += sum(l.weight.numel() * l.weight.element_size() for l in value.linears)
+                if isinstance(value, FusedLinears):
+                    total += value.pending_copy_bytes()
     return total
 
 
