@@ -1,0 +1,21 @@
+"""Configuration dataclasses, validated on construction.
+
+`TargetConfig` reads a Hugging Face `config.json` (Qwen3 / Llama / Qwen2);
+`DraftConfig` reads a z-lab DFlash or DeepSpec DSpark draft config;
+`SamplingParams` holds per-request decoding settings. Unknown keys of a config
+file are kept in `extra` so that a load -> save round trip loses nothing.
+
+Every config is a frozen value, validated when it is built: a changed setting
+(a shorter draft block, say) is a new value made with `dataclasses.replace`.
+"""
+
+from blockspec.config.common import (DRAFT_METHODS, LIMITS, METHODS, RULES, SUPPORTED_ROPE_TYPES,
+                                     SUPPORTED_TARGET_TYPES, read_json)
+from blockspec.config.draft import DRAFT_HEAD_KEYS, LAYOUTS, MARKOV_TYPES, DraftConfig
+from blockspec.config.rope import RopeConfig
+from blockspec.config.sampling import SAMPLING_EPS, GenerationDefaults, SamplingParams
+from blockspec.config.target import TargetConfig
+
+__all__ = ["DRAFT_HEAD_KEYS", "DRAFT_METHODS", "LAYOUTS", "LIMITS", "MARKOV_TYPES", "METHODS", "RULES",
+           "SAMPLING_EPS", "SUPPORTED_ROPE_TYPES", "SUPPORTED_TARGET_TYPES", "DraftConfig", "GenerationDefaults",
+           "RopeConfig", "SamplingParams", "TargetConfig", "read_json"]

@@ -1,0 +1,59 @@
+"""Shared pieces of the configs: names of methods and rules, JSON reading, field checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from blockspec.errors import BlockspecError
+
+SUPPORTED_TARGET_TYPES = ("qwen3", "llama", "qwen2", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+# Decoding methods: plain AR, DFlash drafts, DSpark drafts (docs/design.md sections 3 and 5).
+DRAFT_METHODS = ("dflash", "dspark")
+METHODS = ("ar", *DRAFT_METHODS)
+# Verification rules (docs/design.md section 4): lossless rejection sampling, sample-and-match.
+RULES = ("rejection", "match")
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Read a JSON object from `path`, raising BlockspecError naming `what` on any failure."""
+    path = Path(path)
+    if not path.is_file():
+        raise BlockspecError(f"{what}: {path} does not exist")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BlockspecError(f"{what}: {path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise BlockspecError(f"{what}: {path} must hold a JSON object")
+    return data
+
+
+def require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise BlockspecError(msg)
+
+
+# Upper bounds far above any released model (Llama-3.1-405B: 126 layers, hidden 16384,
+# intermediate 53248; Gemma: 262k vocabulary; Llama 4: 10M context), so a config asking
+# for more is corrupt or hostile: refused by name before anything is sized or allocated.
+LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+          "num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+          "head_dim": 4096, "max_position_embeddings": 1 << 26, "num_target_layers": 4096,
+          "block_size": 1024, "markov_rank": 1 << 16}
+
+
+def positive_int(name: str, value: Any, where: str) -> int:
+    require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+             f"{where}: '{name}' must be a positive integer, got {value!r}")
+    limit = LIMITS.get(name)
+    require(limit is None or value <= limit,
+             f"{where}: '{name}' = {value} is absurd (the limit is {limit}); the config is corrupt")
+    return value
+
+
+def check_model_type(model_type: Any, where: str) -> None:
+    require(model_type in SUPPORTED_TARGET_TYPES,
+             f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TARGET_TYPES)})")

@@ -1,0 +1,120 @@
+"""Per-request decoding settings and the defaults a checkpoint's generation_config.json sets."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from blockspec.config.common import read_json, require
+from blockspec.errors import BlockspecError
+
+SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. temperature == 0 means greedy; a temperature in
+    (0, SAMPLING_EPS = 1e-5) is normalised to 0.0 (greedy) on construction, as vLLM does,
+    so every path (AR and speculative) decodes it greedily instead of overflowing."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                 and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)
+        require(isinstance(self.top_k, int) and 0 <= self.top_k < 2**31,
+                 f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        # A top_p below float32 resolution would drop every token.
+        require(isinstance(self.top_p, (int, float)) and 1e-6 <= self.top_p <= 1,
+                 f"top_p must be in (0, 1] (and >= 1e-6), got {self.top_p!r}")
+        require(isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0,
+                 f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+                 f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        require(isinstance(self.stop_token_ids, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse stop_token_ids the model can never produce (ids >= vocab_size): such a
+        stop would silently never fire."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        require(not bad, f"stop_token_ids {bad[:8]} are outside the vocabulary (token ids 0..{vocab_size - 1})")
+
+
+# generation_config.json keys that become request defaults (as vLLM's default
+# `--generation-config auto`): HF name -> SamplingParams field.
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                           "max_new_tokens": "max_new_tokens"}
+# Sampling settings blockspec does not implement: reported (never silently dropped).
+UNSUPPORTED_GENERATION_KEYS = ("repetition_penalty", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                               "no_repeat_ngram_size", "presence_penalty", "frequency_penalty")
+# The value of such a key that changes nothing (0 unless listed).
+_NEUTRAL = {"repetition_penalty": 1.0, "typical_p": 1.0, "epsilon_cutoff": 0.0}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A checkpoint's `generation_config.json`, honoured like vLLM's default
+    (`--generation-config auto`): its `eos_token_id` (int or list) joins the model's stop
+    ids, and its temperature / top_p / top_k / max_new_tokens become the defaults of a
+    request, which the request's own values override. `do_sample` is not consulted (as in
+    vLLM); keys blockspec does not implement (repetition_penalty, min_p, ...) are listed
+    in `unsupported` for the caller to report. A missing file means no defaults."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    unsupported: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "generation_config.json") -> "GenerationDefaults":
+        values: dict[str, Any] = {}
+        for key, name in GENERATION_DEFAULT_KEYS.items():
+            if raw.get(key) is not None:
+                values[name] = raw[key]
+        if isinstance(values.get("top_k"), int) and values["top_k"] < 0:
+            values["top_k"] = 0  # HF / vLLM spell "off" as 0 or -1; blockspec as 0
+        try:  # the values must make a valid request on their own
+            SamplingParams(**values)
+        except BlockspecError as exc:
+            raise BlockspecError(f"{where}: {exc}") from None
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+        require(isinstance(eos_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in eos_ids),
+                 f"{where}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        unsupported = tuple(k for k in UNSUPPORTED_GENERATION_KEYS
+                            if raw.get(k) is not None and raw[k] != _NEUTRAL.get(k, 0))
+        return cls(eos_token_id=tuple(eos_ids), unsupported=unsupported, **values)
+
+    @classmethod
+    def load(cls, directory: Path) -> "GenerationDefaults":
+        path = Path(directory) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        return cls.from_dict(read_json(path, "generation config"), where=str(path))
+
+    def sampling_params(self, **request: Any) -> SamplingParams:
+        """SamplingParams of a request: its own values (None = not given) over these defaults."""
+        values = {name: getattr(self, name) for name in GENERATION_DEFAULT_KEYS.values()
+                  if getattr(self, name) is not None}
+        values.update({k: v for k, v in request.items() if v is not None})
+        return SamplingParams(**values)
