@@ -14,6 +14,7 @@ import copy
 from dataclasses import replace
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from blockspec.config import DraftConfig
@@ -144,10 +145,12 @@ class DraftModel(nn.Module):
         return self.norm(h)
 
     def forward(self, features: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor,
-                       mask: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
+                       mask: torch.Tensor, embed: nn.Embedding, checkpoint_layers: bool = False) -> torch.Tensor:
         """Training forward (packed): context of every position [B, T] plus many blocks at once.
 
         block_ids / block_positions [B, N]; mask [B, 1, N, T + N] (True = may attend).
+        `checkpoint_layers`: keep only each layer's input and recompute the layer in backward
+        (activation checkpointing: less memory for one more layer forward).
         Returns normed hidden states of the block tokens [B, N, H]."""
         t = features.shape[1]
         ctx_pos = torch.arange(t, device=features.device).expand(features.shape[0], t)
@@ -155,7 +158,10 @@ class DraftModel(nn.Module):
         h = embed(block_ids).to(self.dtype)
         cos, sin = self.rotary(block_positions, h.dtype)
         for layer, ctx in zip(self.layers, context):
-            h = layer(h, cos, sin, mask, context=ctx)
+            if checkpoint_layers and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, context=ctx, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, mask, context=ctx)
         return self.norm(h)
 
     # -- heads ------------------------------------------------------------------

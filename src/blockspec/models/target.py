@@ -39,8 +39,9 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor               # [B, T, V] (or [B, len(logits_at), V])
+    logits: torch.Tensor | None        # [B, T, V] (or [B, len(logits_at), V]); None unless output="logits"
     features: torch.Tensor | None      # [B, T, len(capture)*H] concatenated layer outputs
+    hidden: torch.Tensor | None = None  # output="hidden": the final normed states (at logits_at), no lm_head
 
 
 class TargetModel(nn.Module):
@@ -85,7 +86,7 @@ class TargetModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, *,
                 num_new: torch.Tensor | None = None, capture: tuple[int, ...] = (),
                 logits_at: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> TargetOutput:
+                mask: torch.Tensor | None = None, output: str = "logits") -> TargetOutput:
         """Run `input_ids` [B, T].
 
         With a cache: the tokens are appended after each row's current length,
@@ -94,7 +95,14 @@ class TargetModel(nn.Module):
         `capture`: decoder layer ids whose outputs are concatenated into `features`.
         `logits_at` [B, K]: compute logits only at these positions of the block.
         `mask`: overrides the attention mask (cache-free training uses it).
+        `output`: "logits" (default); "hidden": the final normed states, no lm_head (a trainer
+        projects them in chunks); "features": only the captured layers, the layers after the
+        deepest captured one are not run (cache-free only: a cache would miss their K/V).
         """
+        if output not in ("logits", "hidden", "features"):
+            raise ValueError(f"output must be logits, hidden or features, got {output!r}")
+        if output == "features" and (cache is not None or not capture):
+            raise ValueError('output="features" needs capture and no cache')
         b, t = input_ids.shape
         h = self.embed_tokens(input_ids)
         seq_len = None  # per-token sequence length, for length-dependent RoPE only
@@ -119,17 +127,21 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary(positions, h.dtype, seq_len=seq_len)
         masks = self._layer_masks(mask, positions, upto)
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        last = max(capture) if output == "features" else len(self.layers) - 1
+        for i, layer in enumerate(self.layers[:last + 1]):
             h = layer(h, cos, sin, masks[i], cache, slots, upto)
             if i in capture:
                 captured[i] = h
         if cache is not None:
             cache.advance(t if num_new is None else num_new)
+        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        if output == "features":
+            return TargetOutput(None, features)
         if logits_at is not None:
             h = h.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
-        logits = self.lm_head(self.norm(h))
-        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        return TargetOutput(logits, features)
+        if output == "hidden":
+            return TargetOutput(None, features, self.norm(h))
+        return TargetOutput(self.lm_head(self.norm(h)), features)
 
     # -- one-token decode, optionally compiled (gpt-fast style) ------------------------
     @property

@@ -22,10 +22,12 @@ class PackedBlocks:
     mask: torch.Tensor         # [B, 1, A*S, T + A*S] True = may attend
 
 
-def sample_anchors(loss_mask: torch.Tensor, span: int, num_anchors: int, gen: torch.Generator
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(loss_mask: torch.Tensor, span: int, num_anchors: int,
+                   gen: torch.Generator | list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, up to `num_anchors` positions a whose next `span` tokens (a+1..a+span)
-    are all trainable (response) tokens; uniformly without replacement, sorted."""
+    are all trainable (response) tokens; uniformly without replacement, sorted.
+    `gen`: one generator for the batch, or one per row (the trainer seeds each example's
+    own, so its anchors do not depend on which rank or micro-batch it lands in)."""
     b, t = loss_mask.shape
     ok = torch.zeros(b, t, dtype=torch.bool)
     if t > span:
@@ -40,7 +42,8 @@ def sample_anchors(loss_mask: torch.Tensor, span: int, num_anchors: int, gen: to
         cand = ok[r].nonzero().flatten()
         if len(cand) == 0:
             continue
-        pick = cand[torch.randperm(len(cand), generator=gen)[:num_anchors]].sort().values
+        row_gen = gen[r] if isinstance(gen, list) else gen
+        pick = cand[torch.randperm(len(cand), generator=row_gen)[:num_anchors]].sort().values
         anchors[r, :len(pick)] = pick
         valid[r, :len(pick)] = True
     return anchors, valid

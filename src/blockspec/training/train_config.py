@@ -1,0 +1,175 @@
+"""`blockspec train`'s options and the pieces of a run that follow from them alone: the
+draft's config, the warm start from the target, the LR schedule and the time budget."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.config import DRAFT_METHODS, DraftConfig
+from blockspec.errors import BlockspecError
+from blockspec.models.draft import DraftModel
+from blockspec.models.target import TargetModel
+
+
+@dataclass
+class TrainConfig:
+    method: str = "dflash"              # dflash (z-lab layout) | dspark (DeepSpec layout)
+    target: str = ""                    # HF target directory
+    data: str = ""                      # jsonl: prompt_ids/response_ids rows or conversations
+    out: str = "runs/draft"
+    init_from: str | None = None        # continue from a saved draft
+    block_size: int = 16                # zlab: includes the anchor; deepspec: gamma
+    num_layers: int = 1
+    intermediate_size: int = 0          # 0 = the target's
+    num_heads: int = 0                  # 0 = the target's
+    num_kv_heads: int = 0
+    target_layer_ids: str = ""          # "1,5" ; empty = design default for num_layers
+    markov_rank: int = 64
+    markov_head_type: str = "vanilla"
+    confidence: bool = True
+    init_from_target: bool = False      # warm start: draft layers = the target's last layers (see warm_start)
+    mask_token_id: int = -1             # -1 = the tokenizer's mask token, else the first unused embedding row
+    loss_decay: float = 0.0             # 0 = the reference value for the block size
+    num_anchors: int = 32
+    batch_size: int = 4                 # per process and micro-batch
+    grad_accum: int = 1
+    max_len: int = 512
+    epochs: float = 1.0
+    max_steps: int = 0                  # 0 = from epochs
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_examples: int = 16
+    eval_new_tokens: int = 64
+    save_every: int = 100               # atomic checkpoint (model, optimizer, scheduler, data, RNG) every N steps
+    resume: bool = False                # continue from <out>/checkpoints (exactly where it was saved)
+    seed: int = 0
+    bf16: bool = False                  # draft compute under bf16 autocast (the draft's weights stay fp32)
+    device: str = "auto"                # cpu | cuda | auto (cuda when available)
+    dtype: str = ""                     # frozen target: "" = bfloat16 on GPU (or with --bf16), float32 on CPU; auto = the checkpoint's
+    fsdp: bool = False                  # shard the draft with FSDP2 instead of replicating it (DDP)
+    grad_checkpoint: bool = False       # recompute draft layers in backward (activation checkpointing)
+    ce_chunk: int = 4096                # trained slots per vocabulary-projection chunk; 0 = all at once
+    logdir: str = ""                    # TensorBoard event files here (needs tensorboard)
+    wandb: bool = False                 # log to Weights & Biases (needs wandb)
+    wandb_project: str = "blockspec"
+    threads: int = 0
+    time_budget_s: float = 0.0          # > 0: fit max_steps to this wall time (timed over the first steps)
+    halt_at_step: int = 0               # > 0: stop after this step without saving, as a killed run would
+
+    def validate(self) -> None:
+        if self.method not in DRAFT_METHODS:
+            raise BlockspecError(f"train: method must be dflash or dspark, got {self.method!r}")
+        if not self.target or not self.data:
+            raise BlockspecError("train: --target and --data are required")
+        for name in ("block_size", "num_layers", "num_anchors", "batch_size", "grad_accum", "max_len", "eval_every",
+                     "save_every"):
+            if getattr(self, name) <= 0:
+                raise BlockspecError(f"train: {name} must be > 0")
+        if self.method == "dflash" and self.block_size < 2:
+            raise BlockspecError("train: a z-lab DFlash block needs block_size >= 2 (it includes the anchor)")
+        if not 0 < self.lr < 1:
+            raise BlockspecError("train: lr must be in (0, 1)")
+        for name in ("time_budget_s", "ce_chunk", "halt_at_step"):
+            if getattr(self, name) < 0:
+                raise BlockspecError(f"train: {name} must be >= 0")
+
+    @property
+    def layout(self) -> str:
+        return "zlab" if self.method == "dflash" else "deepspec"
+
+    def decay(self, num_drafts: int) -> float:
+        # Reference lambdas: 7 for B=16, 5 for B=10, 4 for B=8 (and DeepSpec gamma 7).
+        if self.loss_decay > 0:
+            return self.loss_decay
+        return 7.0 if num_drafts >= 15 else (5.0 if num_drafts >= 9 else 4.0)
+
+    def target_dtype(self, device: torch.device) -> str:
+        return self.dtype or ("bfloat16" if self.bf16 or device.type == "cuda" else "float32")
+
+
+def draft_config_for(cfg: TrainConfig, target: TargetModel, mask_token_id: int) -> DraftConfig:
+    tc = target.config
+    ids = ([int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids
+           else tc.default_layer_ids(cfg.num_layers))
+    dspark = cfg.method == "dspark"
+    return DraftConfig(
+        layout=cfg.layout, block_size=cfg.block_size, mask_token_id=mask_token_id, target_layer_ids=ids,
+        num_target_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size,
+        intermediate_size=cfg.intermediate_size or tc.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads or tc.num_attention_heads,
+        num_key_value_heads=cfg.num_kv_heads or tc.num_key_value_heads, head_dim=tc.head_dim,
+        vocab_size=tc.vocab_size, max_position_embeddings=tc.max_position_embeddings,
+        rms_norm_eps=tc.rms_norm_eps, rope=tc.rope,
+        markov_rank=cfg.markov_rank if dspark else 0, markov_head_type=cfg.markov_head_type,
+        enable_confidence_head=dspark and cfg.confidence)
+
+
+@torch.no_grad()
+def warm_start(draft: DraftModel, target: TargetModel) -> None:
+    """Start the draft as a copy of the target's top: draft layer i takes the weights
+    of target layer L-n+i, `fc` passes the deepest captured feature through, and
+    `hidden_norm` is that layer's input norm. The context K/V then equal what the
+    copied target layer would compute from that feature; training starts from a
+    model that already maps hidden states to the shared lm_head."""
+    dc, tc = draft.config, target.config
+    n = dc.num_hidden_layers
+    if (dc.hidden_size, dc.intermediate_size, dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim) != (
+            tc.hidden_size, tc.intermediate_size, tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim):
+        raise BlockspecError("train: --init-from-target needs the draft's layer shape to equal the target's")
+    if tc.qkv_bias or tc.o_bias or not tc.qk_norm:
+        raise BlockspecError("train: --init-from-target needs a Qwen3-style target (q/k norm, no biases)")
+    for i, layer in enumerate(draft.layers):
+        layer.load_state_dict(target.layers[tc.num_hidden_layers - n + i].state_dict())
+    deepest = max(range(len(dc.target_layer_ids)), key=lambda j: dc.target_layer_ids[j])
+    h = dc.hidden_size
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, deepest * h:(deepest + 1) * h] = torch.eye(h)
+    draft.hidden_norm.weight.copy_(target.layers[tc.num_hidden_layers - n].input_layernorm.weight)
+    draft.norm.weight.copy_(target.norm.weight)
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    warm = max(1, int(cfg.warmup_ratio * total))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
+
+class Schedule:
+    """LambdaLR's factor at a step: warmup then cosine over `total` steps (a time budget may
+    shorten `total` mid-run; the schedule follows)."""
+
+    def __init__(self, cfg: TrainConfig, total: int) -> None:
+        self.cfg, self.total = cfg, total
+
+    def __call__(self, step: int) -> float:
+        return lr_at(step, self.total, self.cfg) / self.cfg.lr
+
+
+def scheduler_state(sched: torch.optim.lr_scheduler.LambdaLR) -> dict:
+    """The scheduler's position (JSON): its factor function is rebuilt from the config."""
+    return {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+
+
+BUDGET_CALIBRATION_STEPS = 20
+
+
+def fit_to_budget(cfg: TrainConfig, step: int, total: int, run_start_step: int, run_s: float,
+                  elapsed_s: float) -> int:
+    """The step count that ends training inside cfg.time_budget_s: once, after the first
+    steps of this run are timed (with 15% left for evaluations and saving), and as a
+    hard stop when the budget is spent anyway."""
+    if cfg.time_budget_s <= 0:
+        return total
+    if elapsed_s >= cfg.time_budget_s:
+        return step
+    if step - run_start_step == BUDGET_CALIBRATION_STEPS:
+        per_step = run_s / BUDGET_CALIBRATION_STEPS
+        return min(total, step + max(1, int(0.85 * (cfg.time_budget_s - elapsed_s) / per_step)))
+    return total

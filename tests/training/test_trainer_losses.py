@@ -1,0 +1,102 @@
+"""The trainer's memory savers change nothing: chunked vocabulary projection = one projection
+(and = the reference losses), activation-checkpointed draft layers = plain ones (gradients),
+the target's features-only / hidden-only forwards = its full forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.training.losses import SUMS, dflash_loss, dspark_loss
+from blockspec.training.objective import DraftObjective, anchor_generators, prepare
+from conftest import make_draft, make_target
+
+
+def batch(vocab: int, rows: int = 3, t: int = 24, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab - 2, (rows, t), generator=g)
+    loss_mask = torch.zeros(rows, t, dtype=torch.bool)
+    loss_mask[:, 6:] = True
+    loss_mask[2, 14:] = False          # a shorter row: fewer anchors, padded ones
+    return ids, loss_mask
+
+
+def objective_sums(layout, markov, confidence, ce_chunk, grad_checkpoint=False):
+    target = make_target(dtype=torch.float64)
+    draft = make_draft(target, layout, 4, markov_rank=8 if markov else 0, markov_type=markov or "vanilla",
+                       confidence=confidence, layers=2, dtype=torch.float64).train().requires_grad_(True)
+    ids, mask = batch(target.config.vocab_size)
+    x = prepare(target, draft, ids, mask, anchor_generators(0, 0, [0, 1, 2]), num_anchors=5, decay=4.0)
+    obj = DraftObjective(draft, target, ce_chunk=ce_chunk, grad_checkpoint=grad_checkpoint)
+    sums = obj(x)
+    sums[0].backward()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    return sums.detach(), grads, (target, draft, x)
+
+
+CASES = [("zlab", None, False), ("deepspec", "vanilla", True), ("deepspec", "rnn", True), ("deepspec", "gated", False)]
+
+
+@pytest.mark.parametrize("layout, markov, confidence", CASES)
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_chunked_projection_equals_one_projection(layout, markov, confidence, chunk):
+    ref, ref_grads, _ = objective_sums(layout, markov, confidence, ce_chunk=0)
+    got, grads, _ = objective_sums(layout, markov, confidence, ce_chunk=chunk)
+    assert ref[SUMS.index("blocks")] > 2          # several chunks really ran
+    torch.testing.assert_close(got, ref)
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], msg=name)
+
+
+@pytest.mark.parametrize("layout, markov, confidence", CASES)
+def test_sums_equal_the_reference_losses(layout, markov, confidence):
+    """The chunked sums / weight sum = losses.dflash_loss / dspark_loss over full [.., V] tensors."""
+    sums, _, (target, draft, x) = objective_sums(layout, markov, confidence, ce_chunk=3)
+    cfg = draft.config
+    with torch.no_grad():
+        hidden = draft(x.features, x.packed.block_ids, x.packed.positions, x.packed.mask, target.embed_tokens)
+        b, a = x.packed.anchors.shape
+        h = hidden.view(b, a, cfg.block_size, -1)[:, :, cfg.first_draft_slot:][:, :, :cfg.num_drafts]
+        h = h.flatten(0, 1)[x.sel]
+        logits = target.lm_head(h).float()
+        if markov:
+            logits = logits + draft.markov_head.teacher_forced(x.prev, h).float()
+            conf = draft.confidence_logit(h, x.prev) if confidence else None
+            ref = dspark_loss(logits, x.labels, x.weights, torch.softmax(target.lm_head(x.target_hidden).float(), -1),
+                              conf)
+        else:
+            ref = dflash_loss(logits, x.labels, x.weights)
+    w = x.weights.sum()
+    torch.testing.assert_close(sums[0] / w, ref.total.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sums[1] / w, ref.ce.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout, markov, confidence", [CASES[0], CASES[2]])
+def test_grad_checkpointing_gives_equal_gradients(layout, markov, confidence):
+    ref, ref_grads, _ = objective_sums(layout, markov, confidence, ce_chunk=0)
+    got, grads, _ = objective_sums(layout, markov, confidence, ce_chunk=0, grad_checkpoint=True)
+    torch.testing.assert_close(got, ref)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], msg=name)
+
+
+def test_features_only_forward_equals_the_full_forward():
+    target = make_target(dtype=torch.float64)
+    ids = torch.randint(0, 60, (2, 11))
+    capture = (0, 2)                     # deepest captured: layer 2 of 4 -> layer 3 never runs
+    full = target(ids, capture=capture)
+    ran = []
+    hook = target.layers[3].register_forward_hook(lambda *a: ran.append(1))
+    feats = target(ids, capture=capture, output="features")
+    hook.remove()
+    assert feats.logits is None and ran == []
+    torch.testing.assert_close(feats.features, full.features, rtol=0, atol=0)
+    at = torch.tensor([[0, 3, 10], [5, 5, 1]])
+    hid = target(ids, capture=capture, output="hidden", logits_at=at)
+    assert hid.logits is None
+    torch.testing.assert_close(hid.features, full.features, rtol=0, atol=0)
+    expected = full.logits.gather(1, at.unsqueeze(-1).expand(-1, -1, full.logits.shape[-1]))
+    torch.testing.assert_close(target.lm_head(hid.hidden), expected)
+    with pytest.raises(ValueError):
+        target(ids, output="features")   # nothing captured: nothing to return
