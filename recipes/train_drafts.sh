@@ -14,7 +14,7 @@ blockspec regenerate --prompts runs/corpus --target $TARGET --out "$DATA" \
   --num-prompts ${PROMPTS:-4000} --max-new-tokens 160 --batch-size 32 --seed 0
 COMMON="--target $TARGET --data $DATA --num-layers 2 --target-layer-ids 1,3,5 --init-from-target \
   --num-anchors 48 --batch-size 4 --lr 1e-3 --eval-every 250 --eval-examples 16 \
-  --eval-new-tokens 64 --seed 0 --threads 1"
+  --eval-new-tokens 64 --seed 0 --threads 1 --resume"   # --resume: a re-run continues a killed one
 OMP_NUM_THREADS=1 blockspec train --method dflash --block-size 16 --max-steps $DFLASH_STEPS --out runs/dflash3 $COMMON > runs/dflash3.log 2>&1 &
 OMP_NUM_THREADS=1 blockspec train --method dspark --block-size 15 --max-steps $DSPARK_STEPS --markov-rank 64 --markov-head-type vanilla \
   --out runs/dspark3 $COMMON > runs/dspark3.log 2>&1 &
