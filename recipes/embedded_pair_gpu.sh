@@ -55,8 +55,9 @@ CARRY=${CARRY:-runs/pair_carry}     # git-ignored (runs/): name it in the device
 W=${WORK:-runs/pair}
 DEVICE=${DEVICE:-cuda}
 # Target size (the shipped one is 256 x 8, 8.4M parameters, val loss 2.64 after 0.9 epoch on
-# 2 CPU cores): 384 x 10 is ~20M parameters, ~41 MB in bf16, a CPU demo about 2-3x slower
-# per token than the shipped target (measure it on the CPU before shipping).
+# 2 CPU cores): 384 x 10 is 20.4M parameters, 40.7 MB in bf16, batch-1 CPU AR at 116 tok/s vs
+# 191 for the shipped shape (docs/results.md, "CPU decode speed of candidate target sizes");
+# 512 x 12 (81 MB) would not come back through $OUT's 64 MiB and decodes at 78 tok/s.
 HIDDEN=${HIDDEN:-384}; LAYERS=${LAYERS:-10}; HEADS=${HEADS:-6}; KV_HEADS=${KV_HEADS:-2}; HEAD_DIM=${HEAD_DIM:-64}
 INTER=${INTER:-1152}; SEQ=${SEQ:-768}; BATCH=${BATCH:-64}; LR=${LR:-1e-3}; EPOCHS=${EPOCHS:-10}
 PROBE_STEPS=${PROBE_STEPS:-30}; PRETRAIN_S=${PRETRAIN_S:-190}; MAX_PRETRAIN_STEPS=${MAX_PRETRAIN_STEPS:-100000}
