@@ -112,10 +112,10 @@ def _datasets(specs: Sequence[str] | Mapping[str, Sequence[BenchPrompt]], tokeni
 def _encode_sets(datasets: Sequence[str] | Mapping[str, Sequence[BenchPrompt]], tokenizer: Any, limit: int | None,
                  target: TargetModel, max_new_tokens: int, notes: list[str], every: int = 1) -> EncodedSets:
     """{dataset: (prompts kept, token ids)}, every prompt fitting the model with max_new_tokens after it."""
-    budget = target.config.max_position_embeddings - max_new_tokens
+    budget = target.config.supported_length - max_new_tokens
     if budget < 1:
         raise BlockspecError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
-                             f"{target.config.max_position_embeddings} positions")
+                             f"{target.config.supported_length} positions")
     return {name: _encode(prompts, tokenizer, budget, notes, name)
             for name, prompts in _datasets(datasets, tokenizer, limit, every).items()}
 
