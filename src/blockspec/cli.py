@@ -12,7 +12,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from blockspec import embedded
 from blockspec.bench.cli import add_bench_parser
@@ -207,10 +207,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     print(json.dumps({"temperatures": temps, "held_out": summary, "saved": saved}))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockspec", description="Block speculative decoding (DFlash / DSpark).")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text (streams to the terminal)")
     p.add_argument("prompt")
     add_model_flags(p)
@@ -230,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(func=cmd_generate)
 
+
+def _add_convert(sub: Any) -> None:
     p = sub.add_parser("convert", help="re-save a DFlash / DSpark draft (checks it, normalises names, casts dtype)")
     p.add_argument("--draft", required=True)
     p.add_argument("--out", required=True)
@@ -237,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dtype_flag(p, default="bfloat16", help="dtype of the saved draft (default bfloat16)")
     p.set_defaults(func=cmd_convert)
 
+
+def _add_launch_line(sub: Any) -> None:
     p = sub.add_parser("launch-line", help="print the exact command that serves a draft in vLLM, SGLang or blockspec")
     p.add_argument("draft", help="draft directory (z-lab DFlash or DeepSpec DSpark)")
     p.add_argument("--engine", choices=ENGINES, required=True)
@@ -246,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="confidence-based verification (blockspec --scheduled; vLLM enable_adaptive_verification)")
     p.set_defaults(func=cmd_launch_line)
 
+
+def _add_profile(sub: Any) -> None:
     p = sub.add_parser("profile", help="measure the verify cost table T(n) for DSpark scheduling")
     add_target_flag(p)
     p.add_argument("--out", default="cost_table.json")
@@ -261,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-rows", default=None, help="request counts to time draft rounds at (default 1,2,4,8,16,32)")
     p.set_defaults(func=cmd_profile)
 
+
+def _add_calibrate(sub: Any) -> None:
     p = sub.add_parser("calibrate", help="fit DSpark confidence temperatures (STS) on held-out rollouts")
     p.add_argument("--draft", required=True)
     add_target_flag(p)
@@ -274,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_flags(p)
     p.set_defaults(func=cmd_calibrate)
 
+
+def _add_corpus(sub: Any) -> None:
     p = sub.add_parser("corpus", help="build the offline Python code corpus (+ BPE tokenizer)")
     p.add_argument("--out", default="runs/corpus")
     p.add_argument("--val-percent", type=int, default=2)
@@ -281,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.set_defaults(func=cmd_corpus)
 
+
+def _add_regenerate(sub: Any) -> None:
     p = sub.add_parser("regenerate", help="write the target's own responses to prompts (draft training data)")
     p.add_argument("--prompts", required=True,
                    help="jsonl of prompt/text/messages rows, or a corpus directory; with --endpoint: jsonl (or a "
@@ -298,18 +307,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_flags(p)
     p.set_defaults(func=cmd_regenerate)
 
+
+def _add_train(sub: Any) -> None:
     p = sub.add_parser("train", help="train a DFlash or DSpark drafter (also under torchrun)")
     p.add_argument("--config", default=None, help="JSON file of TrainConfig fields")
     add_dataclass_flags(p, TrainConfig)
     p.set_defaults(func=cmd_train)
 
-    add_bench_parser(sub)
-    add_serve_parser(sub)
 
+def _add_pretrain(sub: Any) -> None:
     p = sub.add_parser("pretrain", help="pretrain a small target model on the code corpus")
     p.add_argument("--config", default=None, help="JSON file of PretrainConfig fields")
     add_dataclass_flags(p, PretrainConfig)
     p.set_defaults(func=cmd_pretrain)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockspec", description="Block speculative decoding (DFlash / DSpark).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_convert(sub)
+    _add_launch_line(sub)
+    _add_profile(sub)
+    _add_calibrate(sub)
+    _add_corpus(sub)
+    _add_regenerate(sub)
+    _add_train(sub)
+    add_bench_parser(sub)
+    add_serve_parser(sub)
+    _add_pretrain(sub)
     return parser
 
 
