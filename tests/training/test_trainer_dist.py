@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -56,10 +57,18 @@ def torchrun(tmp_path, cfg: TrainConfig, nproc: int = 2):
         "open(sys.argv[2] + '/rank' + os.environ['RANK'] + '.json', 'w').write(json.dumps(r))\n")
     from dataclasses import asdict
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                           "--standalone", str(script), json.dumps(asdict(cfg)), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Its own session: on a timeout the launcher and every rank it started are killed together.
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                             "--standalone", str(script), json.dumps(asdict(cfg)), str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"torchrun did not finish in 300 s: {err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -123,3 +132,52 @@ def test_resume_refuses_a_different_global_batch(setup, tmp_path):
     train(config(setup, out, method="dflash", block_size=4, max_steps=2, save_every=2))
     with pytest.raises(BlockspecError, match="global batches of 4"):
         train(config(setup, out, method="dflash", block_size=4, max_steps=4, batch_size=2, resume=True))
+
+
+@pytest.mark.slow
+def test_a_killed_process_resumes_to_the_same_parameters(setup, tmp_path):
+    """SIGKILL a real training process between checkpoints, resume it: the parameters of an
+    uninterrupted run (the steps after its last checkpoint are trained again)."""
+    import time
+    from dataclasses import asdict
+
+    kw = dict(method="dflash", block_size=4, max_steps=60, save_every=3, batch_size=2)
+    killed = tmp_path / "killed"
+    script = tmp_path / "run.py"
+    script.write_text("import json, sys\nfrom blockspec.training.trainer import TrainConfig, train\n"
+                      "train(TrainConfig(**json.loads(sys.argv[1])))\n")
+    proc = subprocess.Popen([sys.executable, str(script), json.dumps(asdict(config(setup, killed, **kw)))],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while (checkpointing.latest_step(killed / "checkpoints") or 0) < 6 and time.time() < deadline:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    stopped_at = checkpointing.latest_step(killed / "checkpoints")
+    assert 6 <= stopped_at < 60
+    r = train(config(setup, killed, resume=True, **kw))
+    assert r["steps"] == 60
+    whole = tmp_path / "whole"
+    train(config(setup, whole, **kw))
+    assert_same_params(final_params(whole), final_params(killed))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_two_process_run_stopped_and_resumed_equals_one_process(setup, tmp_path, fsdp):
+    """torchrun (DDP / FSDP2) stopped after step 5 (last checkpoint: 3), resumed under torchrun:
+    the parameters of one uninterrupted process over the same global batches."""
+    kw = dict(max_steps=7, save_every=3, batch_size=2)
+    whole = tmp_path / "whole"
+    train(config(setup, whole, grad_accum=2, **kw))
+    two = tmp_path / "two"
+    torchrun(tmp_path, config(setup, two, fsdp=fsdp, halt_at_step=5, **kw))
+    assert checkpointing.latest_step(two / "checkpoints") == 3
+    assert sorted(p.name for p in checkpointing.step_dir(two / "checkpoints", 3).glob("rng-rank*")) == [
+        "rng-rank0.pt", "rng-rank1.pt"]
+    results = torchrun(tmp_path, config(setup, two, fsdp=fsdp, resume=True, **kw))
+    assert [r["steps"] for r in results] == [7, 7]
+    assert_same_params(final_params(whole), final_params(two))

@@ -11,6 +11,7 @@ are atomic and resume exactly (checkpointing.py). Drafts are written directly in
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -99,11 +100,15 @@ def build_draft(cfg: TrainConfig, target: TargetModel, mask_token_id: int, devic
     return draft.to(device).train()
 
 
-def load_data(cfg: TrainConfig, tokenizer: Tokenizer, target: TargetModel) -> tuple[list[Example], list[Example]]:
-    """(training examples, held-out evaluation examples)."""
+def load_data(cfg: TrainConfig, tokenizer: Tokenizer, target: TargetModel, report: bool
+              ) -> tuple[list[Example], list[Example]]:
+    """(training examples, held-out evaluation examples); `report`: say which rows were skipped."""
     skipped: list[str] = []
     examples = load_examples(Path(cfg.data), cfg.max_len, tokenizer, end_of_turn_ids(cfg.target, tokenizer),
                              target.config.vocab_size, skipped)
+    if skipped and report:
+        print(f"train: skipped {len(skipped)} row(s) with fewer than 2 trained tokens within --max-len "
+              f"{cfg.max_len}: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
     held_out, examples = examples[:cfg.eval_examples], examples[cfg.eval_examples:]
     if not examples:
         raise BlockspecError(f"train: {cfg.data} has no examples left after the {cfg.eval_examples} held out "
@@ -127,7 +132,7 @@ def setup(cfg: TrainConfig) -> Run:
     model = D.wrap(objective, d, cfg.fsdp)
     params = [p for p in objective.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    examples, held_out = load_data(cfg, tokenizer, target)
+    examples, held_out = load_data(cfg, tokenizer, target, report=d.main)
     batches = EpochBatches([len(e.ids) for e in examples], cfg.batch_size * cfg.grad_accum * d.world, cfg.seed)
     total = cfg.max_steps or max(1, int(cfg.epochs * batches.steps_per_epoch))
     schedule = Schedule(cfg, total)
@@ -343,5 +348,9 @@ def train(cfg: TrainConfig) -> dict:
             log.record(rec)
     result = {"steps": run.step, "total_steps": run.total, "history": run.history, "rank": d.rank, "world": d.world,
               "param_checksum": param_checksum(run.draft)}
+    # DDP's reducer must go before the process group does: freed after destroy_process_group,
+    # it can block its process at exit (seen with gloo).
+    run.model = run.objective
+    gc.collect()
     D.close(d)
     return result
