@@ -4,6 +4,7 @@ output drafts load back in their own format."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -156,3 +157,21 @@ def test_warm_start_refuses_a_differently_shaped_draft(setup):
                       intermediate_size=target.config.intermediate_size + 8)
     with pytest.raises(BlockspecError, match="layer shape"):
         warm_start(DraftModel(draft_config_for(cfg, target, mask_token_id=2)), target)
+
+
+@pytest.mark.parametrize("method, block", [("dflash", 4), ("dspark", 3)])
+def test_bf16_target_the_gpu_default_trains_an_fp32_draft(setup, tmp_path, method, block):
+    """On a GPU the frozen target runs in bf16 by default: its features and final states feed the
+    fp32 draft and its bf16 lm_head projects the draft's states (run here on CPU with --dtype
+    bfloat16): training runs and learns."""
+    import torch
+
+    cfg = TrainConfig(method=method, target=str(setup / "target"), data=str(setup / "data.jsonl"),
+                      out=str(tmp_path / "bf16"), block_size=block, markov_rank=8, num_anchors=8, batch_size=4,
+                      max_steps=12, lr=3e-3, eval_every=100, eval_examples=2, eval_new_tokens=4, threads=1,
+                      dtype="bfloat16", ce_chunk=7)
+    assert cfg.target_dtype(torch.device("cuda")) == "bfloat16"
+    assert TrainConfig().target_dtype(torch.device("cpu")) == "float32"
+    train(cfg)
+    loss = curve(tmp_path / "bf16", "loss")
+    assert all(math.isfinite(x) for x in loss) and mean(loss[-3:]) < mean(loss[:3])
