@@ -11,7 +11,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from rich.progress import Progress
@@ -81,25 +81,30 @@ def _row_text(row: Any, tokenizer: Tokenizer | None, where: str) -> str:
     raise BlockspecError(f"{where}: needs a string 'prompt' or 'text' field, or a 'messages' list")
 
 
+def jsonl_rows(path: Path, what: str) -> Iterator[tuple[int, Any, str]]:
+    """(line number, parsed row, "what: path:line") for every non-blank line of a JSONL file."""
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{what}: {path}:{n}"
+            try:
+                yield n, json.loads(line), where
+            except json.JSONDecodeError as exc:
+                raise BlockspecError(f"{where} is not valid JSON ({exc})") from None
+
+
 def read_prompt_jsonl(path: Path, tokenizer: Tokenizer | None = None) -> list[tuple[str, str]]:
     """(id, text) per line of {"prompt"} / {"text"} / {"messages"} objects; ids from
     `id` / `task_id`, else `<stem>/<line>`. Chat messages go through the chat template."""
     if not path.is_file():
         raise BlockspecError(f"prompts: {path} does not exist")
     prompts: list[tuple[str, str]] = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"prompts: {path}:{n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise BlockspecError(f"{where} is not valid JSON ({exc})") from None
-            text = _row_text(row, tokenizer, where)
-            if not text:
-                raise BlockspecError(f"{where}: the prompt is empty")
-            prompts.append((str(row.get("id", row.get("task_id", f"{path.stem}/{n}"))), text))
+    for n, row, where in jsonl_rows(path, "prompts"):
+        text = _row_text(row, tokenizer, where)
+        if not text:
+            raise BlockspecError(f"{where}: the prompt is empty")
+        prompts.append((str(row.get("id", row.get("task_id", f"{path.stem}/{n}"))), text))
     if not prompts:
         raise BlockspecError(f"prompts: {path} holds no prompts")
     return prompts
@@ -175,25 +180,17 @@ def load_examples(path: Path, max_len: int, tokenizer: Tokenizer | None = None,
         raise BlockspecError(f"training data: {path} does not exist (run `blockspec regenerate` first)")
     examples = []
     end_ids = set() if end_ids is None else end_ids
-    with Path(path).open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"training data: {path}:{n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise BlockspecError(f"{where} is not valid JSON ({exc})") from None
-            if not isinstance(row, dict):
-                raise BlockspecError(f"{where}: each line must be a JSON object")
-            example = _example(row, max_len, tokenizer, end_ids, where)
-            if example is not None:
-                if vocab_size is not None and max(example.ids) >= vocab_size:
-                    raise BlockspecError(f"{where}: token id {max(example.ids)} is outside the target's "
-                                         f"vocabulary (0..{vocab_size - 1})")
-                examples.append(example)
-            elif skipped is not None:
-                skipped.append(f"{path}:{n}")
+    for n, row, where in jsonl_rows(Path(path), "training data"):
+        if not isinstance(row, dict):
+            raise BlockspecError(f"{where}: each line must be a JSON object")
+        example = _example(row, max_len, tokenizer, end_ids, where)
+        if example is not None:
+            if vocab_size is not None and max(example.ids) >= vocab_size:
+                raise BlockspecError(f"{where}: token id {max(example.ids)} is outside the target's "
+                                     f"vocabulary (0..{vocab_size - 1})")
+            examples.append(example)
+        elif skipped is not None:
+            skipped.append(f"{path}:{n}")
     if not examples:
         raise BlockspecError(f"training data: {path} holds no usable examples")
     return examples
