@@ -17,7 +17,7 @@ import torch
 from blockspec import embedded, load_draft, load_target
 from blockspec.config import DraftConfig, SamplingParams
 from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.speculate import prefill, propose, verify_and_commit
+from blockspec.decoding.round import prefill, propose, verify_and_commit
 from blockspec.models.draft import DraftModel
 
 
@@ -46,7 +46,9 @@ def measure(target, draft, context: int, repeats: int) -> dict[str, float]:
         t0 = time.perf_counter()
         proposal = propose(draft, target, dcache, anchors, sampler)
         t1 = time.perf_counter()
-        verify_and_commit(target, cache, anchors, proposal, sampler, draft, dcache)
+        verdict, features = verify_and_commit(target, cache, anchors, proposal, sampler,
+                                              capture=tuple(draft.config.target_layer_ids))
+        draft.append_context(dcache, features, verdict.accepted + 1)   # the commit's draft context
         t2 = time.perf_counter()
         cache.truncate(start_t)
         dcache.truncate(start_d)
