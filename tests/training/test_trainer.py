@@ -11,6 +11,7 @@ import pytest
 from blockspec.config import DraftConfig
 from blockspec.models.checkpoint import load_draft, load_target
 from blockspec.errors import BlockspecError
+from blockspec.training.data import collate_packed
 from blockspec.training.trainer import BUDGET_CALIBRATION_STEPS, TrainConfig, fit_to_budget, train
 from conftest import write_pattern_data, write_tiny_target_dir
 
@@ -175,3 +176,21 @@ def test_bf16_target_the_gpu_default_trains_an_fp32_draft(setup, tmp_path, metho
     train(cfg)
     loss = curve(tmp_path / "bf16", "loss")
     assert all(math.isfinite(x) for x in loss) and mean(loss[-3:]) < mean(loss[:3])
+
+
+@pytest.mark.parametrize("method, block", [("dflash", 4), ("dspark", 3)])
+def test_packed_training_follows_the_unpacked_run(setup, method, block, monkeypatch):
+    """--pack: the same examples, several per row, train to the same losses step by step."""
+    from blockspec.training import trainer
+
+    rows = []
+    monkeypatch.setattr(trainer, "collate_packed", lambda *a: rows.append(collate_packed(*a)) or rows[-1])
+    kw = dict(method=method, target=str(setup / "target"), data=str(setup / "data.jsonl"), block_size=block,
+              markov_rank=8, num_anchors=4, batch_size=4, max_steps=4, max_len=256, eval_every=100,
+              eval_examples=2, eval_new_tokens=4, threads=1)
+    train(TrainConfig(out=str(setup / f"out-unpacked-{method}"), **kw))
+    train(TrainConfig(out=str(setup / f"out-packed-{method}"), pack=True, **kw))
+    ref, got = curve(setup / f"out-unpacked-{method}", "loss"), curve(setup / f"out-packed-{method}", "loss")
+    assert len(got) == len(ref) == 4
+    assert len(rows) == 4 and all(r.ids.shape == (1, 160) and len(r.segments[0]) == 4 for r in rows)
+    assert got == pytest.approx(ref, rel=1e-4)

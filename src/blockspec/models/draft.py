@@ -145,15 +145,19 @@ class DraftModel(nn.Module):
         return self.norm(h)
 
     def forward(self, features: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor,
-                       mask: torch.Tensor, embed: nn.Embedding, checkpoint_layers: bool = False) -> torch.Tensor:
+                       mask: torch.Tensor, embed: nn.Embedding, checkpoint_layers: bool = False,
+                       context_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Training forward (packed): context of every position [B, T] plus many blocks at once.
 
         block_ids / block_positions [B, N]; mask [B, 1, N, T + N] (True = may attend).
         `checkpoint_layers`: keep only each layer's input and recompute the layer in backward
         (activation checkpointing: less memory for one more layer forward).
+        `context_positions` [B, T]: the context's RoPE positions (default 0..T-1; packed rows
+        restart at 0 per sequence).
         Returns normed hidden states of the block tokens [B, N, H]."""
         t = features.shape[1]
-        ctx_pos = torch.arange(t, device=features.device).expand(features.shape[0], t)
+        ctx_pos = (torch.arange(t, device=features.device).expand(features.shape[0], t)
+                   if context_positions is None else context_positions)
         context = self.context_kv(features, ctx_pos, fused=False)
         h = embed(block_ids).to(self.dtype)
         cos, sin = self.rotary(block_positions, h.dtype)

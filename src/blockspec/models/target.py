@@ -86,7 +86,8 @@ class TargetModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, *,
                 num_new: torch.Tensor | None = None, capture: tuple[int, ...] = (),
                 logits_at: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, output: str = "logits") -> TargetOutput:
+                mask: torch.Tensor | None = None, output: str = "logits",
+                positions: torch.Tensor | None = None) -> TargetOutput:
         """Run `input_ids` [B, T].
 
         With a cache: the tokens are appended after each row's current length,
@@ -95,6 +96,8 @@ class TargetModel(nn.Module):
         `capture`: decoder layer ids whose outputs are concatenated into `features`.
         `logits_at` [B, K]: compute logits only at these positions of the block.
         `mask`: overrides the attention mask (cache-free training uses it).
+        `positions` [B, T]: cache-free only, each token's RoPE position (packed training rows
+        restart at 0 per sequence; pass the block-diagonal causal `mask` with them).
         `output`: "logits" (default); "hidden": the final normed states, no lm_head (a trainer
         projects them in chunks); "features": only the captured layers, the layers after the
         deepest captured one are not run (cache-free only: a cache would miss their K/V).
@@ -103,11 +106,17 @@ class TargetModel(nn.Module):
             raise ValueError(f"output must be logits, hidden or features, got {output!r}")
         if output == "features" and (cache is not None or not capture):
             raise ValueError('output="features" needs capture and no cache')
+        if positions is not None and cache is not None:
+            raise ValueError("positions are for the cache-free forward only")
         b, t = input_ids.shape
         h = self.embed_tokens(input_ids)
         seq_len = None  # per-token sequence length, for length-dependent RoPE only
+        key_pos = None  # the queries' key indices, when they differ from their positions (packed rows)
         if cache is None:
-            positions = torch.arange(t, device=h.device).expand(b, t)
+            if positions is None:
+                positions = torch.arange(t, device=h.device).expand(b, t)
+            else:
+                key_pos = torch.arange(t, device=h.device).expand(b, t)
             slots, upto = None, t
             if self.rotary.rope.length_dependent:  # one call over the whole sequence
                 seq_len = positions.new_full((1, 1), t)
@@ -125,7 +134,7 @@ class TargetModel(nn.Module):
                 n = torch.as_tensor(t if num_new is None else num_new, device=h.device).expand(b)
                 seq_len = torch.where((cache.lengths == 0).unsqueeze(1), n.unsqueeze(1), positions + 1)
         cos, sin = self.rotary(positions, h.dtype, seq_len=seq_len)
-        masks = self._layer_masks(mask, positions, upto)
+        masks = self._layer_masks(mask, positions if key_pos is None else key_pos, upto)
         captured: dict[int, torch.Tensor] = {}
         last = max(capture) if output == "features" else len(self.layers) - 1
         for i, layer in enumerate(self.layers[:last + 1]):

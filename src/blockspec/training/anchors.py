@@ -49,21 +49,46 @@ def sample_anchors(loss_mask: torch.Tensor, span: int, num_anchors: int,
     return anchors, valid
 
 
+def sample_packed_anchors(loss_mask: torch.Tensor, segments: list[list[tuple[int, int, int]]], span: int,
+                          num_anchors: int, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_anchors` for packed rows: each sequence (example k at [start, start+n)) draws its
+    own up to `num_anchors` anchors with its own generator gens[k], exactly as it would alone in a
+    row, shifted to where it sits. A row holds up to num_anchors x (its sequences) anchors."""
+    per_row = max(len(segs) for segs in segments) * num_anchors
+    anchors = torch.zeros(len(segments), per_row, dtype=torch.long)
+    valid = torch.zeros(len(segments), per_row, dtype=torch.bool)
+    for r, segs in enumerate(segments):
+        at = 0
+        for k, start, n in sorted(segs, key=lambda s: s[1]):
+            a, v = sample_anchors(loss_mask[r:r + 1, start:start + n], span, num_anchors, [gens[k]])
+            a = a[0, v[0]] + start
+            anchors[r, at:at + len(a)] = a
+            valid[r, at:at + len(a)] = True
+            at += len(a)
+    return anchors, valid
+
+
 def pack_blocks(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
-                mask_token_id: int) -> PackedBlocks:
-    """Built on the inputs' device (on a GPU the [B, 1, A*S, T+A*S] mask never crosses PCIe)."""
+                mask_token_id: int, seg_start: torch.Tensor | None = None) -> PackedBlocks:
+    """Built on the inputs' device (on a GPU the [B, 1, A*S, T+A*S] mask never crosses PCIe).
+    `seg_start` [B, T] (packed rows): the index each token's sequence starts at; a block then
+    sees only its own sequence's context and is positioned from that sequence's start."""
     b, t = input_ids.shape
     a = anchors.shape[1]
     s = block_size
     dev = input_ids.device
     slot = torch.arange(s, device=dev)
-    positions = (anchors.unsqueeze(-1) + slot).reshape(b, a * s)
+    start = torch.zeros_like(anchors) if seg_start is None else seg_start.gather(1, anchors)   # [B, A]
+    positions = (anchors.unsqueeze(-1) - start.unsqueeze(-1) + slot).reshape(b, a * s)
     block_ids = torch.full((b, a, s), mask_token_id, dtype=torch.long, device=dev)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
     # Query i belongs to block i // s; context key j is visible iff j < anchor of that block.
     q_anchor = anchors.repeat_interleave(s, dim=1)                                  # [B, N]
     q_valid = valid.repeat_interleave(s, dim=1)
     ctx_mask = torch.arange(t, device=dev).view(1, 1, t) < q_anchor.unsqueeze(-1)    # [B, N, T]
+    if seg_start is not None:
+        q_start = start.repeat_interleave(s, dim=1)
+        ctx_mask = ctx_mask & (torch.arange(t, device=dev).view(1, 1, t) >= q_start.unsqueeze(-1))
     q_block = torch.arange(a * s, device=dev) // s
     own = (q_block.view(-1, 1) == q_block.view(1, -1)).expand(b, -1, -1)            # [B, N, N]
     mask = torch.cat([ctx_mask, own], dim=-1) & q_valid.unsqueeze(-1)

@@ -207,6 +207,73 @@ def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+@dataclass
+class PackedRows:
+    """Examples packed back to back into rows (`collate_packed`). `segments[r]`: the
+    (example index, start, length) of each sequence in row r; `positions`: each token's
+    position within its own sequence; `seg_start`: the index its sequence starts at (the
+    padding after a row's last sequence is one more segment, never trained)."""
+    ids: torch.Tensor          # [B, T]
+    loss_mask: torch.Tensor    # [B, T]
+    positions: torch.Tensor    # [B, T]
+    seg_start: torch.Tensor    # [B, T]
+    segments: list[list[tuple[int, int, int]]]
+
+    def attention_mask(self) -> torch.Tensor:
+        """[B, 1, T, T] block-diagonal causal: a token sees the earlier tokens of its own sequence."""
+        t = self.ids.shape[1]
+        idx = torch.arange(t, device=self.ids.device)
+        same = self.seg_start.unsqueeze(-1) == self.seg_start.unsqueeze(-2)
+        return (same & (idx.view(1, t, 1) >= idx.view(1, 1, t))).unsqueeze(1)
+
+    def to(self, device: torch.device | str) -> "PackedRows":
+        return PackedRows(self.ids.to(device), self.loss_mask.to(device), self.positions.to(device),
+                          self.seg_start.to(device), self.segments)
+
+
+def pack_rows(lengths: list[int], max_len: int) -> list[list[int]]:
+    """First-fit by decreasing length: rows of example indices whose lengths sum to at most
+    max_len (an example longer than max_len gets a row of its own)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for k in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, free in enumerate(room):
+            if lengths[k] <= free:
+                rows[r].append(k)
+                room[r] -= lengths[k]
+                break
+        else:
+            rows.append([k])
+            room.append(max_len - lengths[k])
+    return rows
+
+
+def collate_packed(examples: list[Example], pad_id: int, max_len: int) -> PackedRows:
+    """Several examples back to back per row (`pack_rows`), right-padded to the longest row;
+    loss masks per sequence as in `collate`."""
+    rows = pack_rows([len(e.ids) for e in examples], max_len)
+    t = max(sum(len(examples[k].ids) for k in row) for row in rows)
+    ids = torch.full((len(rows), t), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), t, dtype=torch.bool)
+    positions = torch.zeros(len(rows), t, dtype=torch.long)
+    seg_start = torch.zeros(len(rows), t, dtype=torch.long)
+    segments = []
+    for r, row in enumerate(rows):
+        start, segs = 0, []
+        for k in row:
+            e, n = examples[k], len(examples[k].ids)
+            ids[r, start:start + n] = torch.tensor(e.ids)
+            mask[r, start:start + n] = torch.tensor(e.mask())
+            positions[r, start:start + n] = torch.arange(n)
+            seg_start[r, start:start + n] = start
+            segs.append((k, start, n))
+            start += n
+        positions[r, start:] = torch.arange(t - start)
+        seg_start[r, start:] = start
+        segments.append(segs)
+    return PackedRows(ids, mask, positions, seg_start, segments)
+
+
 class EpochBatches:
     """Deterministic epochs over n examples: epoch e visits every example exactly once, in the
     order of a permutation seeded by (seed, e) (no sampling with replacement). Step s takes the

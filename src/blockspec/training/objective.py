@@ -17,7 +17,8 @@ from torch import nn
 
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
-from blockspec.training.anchors import PackedBlocks, pack_blocks, sample_anchors
+from blockspec.training.anchors import PackedBlocks, pack_blocks, sample_anchors, sample_packed_anchors
+from blockspec.training.data import PackedRows
 from blockspec.training.losses import BlockHeads, block_sums, slot_weights
 
 
@@ -30,6 +31,7 @@ class StepInputs:
     weights: torch.Tensor                # [M, g] slot weights (0 = not trained)
     prev: torch.Tensor | None            # [M, g] teacher-forced previous tokens (DSpark heads)
     target_hidden: torch.Tensor | None   # [M, g, H] the target's final states at each slot's position
+    context_positions: torch.Tensor | None = None   # [B, T] packed rows: positions within each sequence
 
 
 def uses_target_probs(draft: DraftModel) -> bool:
@@ -45,14 +47,22 @@ def anchor_generators(seed: int, epoch: int, indices: list[int]) -> list[torch.G
 
 @torch.no_grad()
 def prepare(target: TargetModel, draft: DraftModel, ids: torch.Tensor, loss_mask: torch.Tensor,
-            gens: list[torch.Generator], num_anchors: int, decay: float, zero_weight: bool = False) -> StepInputs:
+            gens: list[torch.Generator], num_anchors: int, decay: float, zero_weight: bool = False,
+            packed_rows: PackedRows | None = None) -> StepInputs:
     """Anchors, the target's features and the labels of one micro-batch. `zero_weight`: a
     stand-in batch for a rank without data this micro-step (it runs for the collectives
-    and trains nothing)."""
+    and trains nothing). `packed_rows` (`collate_packed`, on ids' device): rows hold several
+    sequences; gens are then per example (gens[k] for example k of the batch), each sequence
+    is positioned from 0 and sees only itself, in the target and in the draft."""
     cfg = draft.config
     g = cfg.num_drafts
     b, t = ids.shape
-    anchors, valid = sample_anchors(loss_mask.cpu(), g, num_anchors, gens)
+    extra: dict = {}
+    if packed_rows is None:
+        anchors, valid = sample_anchors(loss_mask.cpu(), g, num_anchors, gens)
+    else:
+        anchors, valid = sample_packed_anchors(loss_mask.cpu(), packed_rows.segments, g, num_anchors, gens)
+        extra = {"positions": packed_rows.positions, "mask": packed_rows.attention_mask()}
     anchors, valid = anchors.to(ids.device), valid.to(ids.device)
     # Padded anchors (0) may point past a short row: their labels are never trained (weight 0).
     label_pos = (anchors.unsqueeze(-1) + 1 + torch.arange(g, device=ids.device)).clamp(max=t - 1)
@@ -64,14 +74,15 @@ def prepare(target: TargetModel, draft: DraftModel, ids: torch.Tensor, loss_mask
     prev = t_hidden = None
     if uses_target_probs(draft):
         # The target's distribution for token a+k+1 is its output at position a+k.
-        out = target(ids, capture=capture, output="hidden", logits_at=(label_pos - 1).flatten(1))
+        out = target(ids, capture=capture, output="hidden", logits_at=(label_pos - 1).flatten(1), **extra)
         assert out.hidden is not None
         t_hidden = out.hidden.view(b, -1, g, out.hidden.shape[-1])
         prev = torch.cat([ids.gather(1, anchors).unsqueeze(-1), labels[..., :-1]], dim=-1)
     else:
-        out = target(ids, capture=capture, output="features")
+        out = target(ids, capture=capture, output="features", **extra)
     assert out.features is not None
-    packed = pack_blocks(ids, anchors, valid, cfg.block_size, cfg.mask_token_id)
+    packed = pack_blocks(ids, anchors, valid, cfg.block_size, cfg.mask_token_id,
+                         None if packed_rows is None else packed_rows.seg_start)
     sel = valid.flatten().nonzero().flatten()
     if sel.numel() == 0:   # no trainable block: one zero-weight block keeps every parameter in the graph
         sel = torch.zeros(1, dtype=torch.long, device=ids.device)
@@ -80,7 +91,8 @@ def prepare(target: TargetModel, draft: DraftModel, ids: torch.Tensor, loss_mask
         return x.flatten(0, 1)[sel]
 
     return StepInputs(out.features.to(draft.dtype), packed, sel, flat(labels), flat(weights),
-                      None if prev is None else flat(prev), None if t_hidden is None else flat(t_hidden))
+                      None if prev is None else flat(prev), None if t_hidden is None else flat(t_hidden),
+                      None if packed_rows is None else packed_rows.positions)
 
 
 class DraftObjective(nn.Module):
@@ -108,7 +120,8 @@ class DraftObjective(nn.Module):
     def forward(self, x: StepInputs) -> torch.Tensor:
         target, cfg = self._frozen[0], self.draft.config
         hidden = self.draft(x.features, x.packed.block_ids, x.packed.positions, x.packed.mask,
-                            target.embed_tokens, checkpoint_layers=self.grad_checkpoint)
+                            target.embed_tokens, checkpoint_layers=self.grad_checkpoint,
+                            context_positions=x.context_positions)
         b, a = x.packed.anchors.shape
         first, g = cfg.first_draft_slot, cfg.num_drafts
         h = hidden.view(b, a, cfg.block_size, -1)[:, :, first:first + g].flatten(0, 1)[x.sel]

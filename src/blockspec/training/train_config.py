@@ -37,6 +37,7 @@ class TrainConfig:
     batch_size: int = 4                 # per process and micro-batch
     grad_accum: int = 1
     max_len: int = 512
+    pack: bool = False                  # pack several examples back to back per row (up to max_len tokens)
     epochs: float = 1.0
     max_steps: int = 0                  # 0 = from epochs
     lr: float = 6e-4

@@ -32,7 +32,7 @@ from blockspec.models.tokenizer import Tokenizer
 from blockspec.training import checkpointing as ckpt
 from blockspec.training import distributed as D
 from blockspec.training.conversations import end_of_turn_ids
-from blockspec.training.data import EpochBatches, Example, collate, load_examples, resolve_mask_token_id
+from blockspec.training.data import EpochBatches, Example, collate, collate_packed, load_examples, resolve_mask_token_id
 from blockspec.training.logging import TrainLogger
 from blockspec.training.losses import SUMS
 from blockspec.training.objective import DraftObjective, anchor_generators, prepare
@@ -195,10 +195,11 @@ def train_step(run: Run) -> dict:
     for idx in micros:
         zero = not idx
         batch = [run.examples[i] for i in (idx or [0])]
-        ids, loss_mask = collate(batch, run.pad)
+        rows = collate_packed(batch, run.pad, cfg.max_len).to(d.device) if cfg.pack else None
+        ids, loss_mask = (rows.ids, rows.loss_mask) if rows is not None else collate(batch, run.pad)
         inputs.append(prepare(run.target, run.draft, ids.to(d.device), loss_mask.to(d.device),
                               anchor_generators(cfg.seed, epoch, idx or [0]), cfg.num_anchors,
-                              cfg.decay(run.draft.config.num_drafts), zero_weight=zero))
+                              cfg.decay(run.draft.config.num_drafts), zero_weight=zero, packed_rows=rows))
     # Normalise by the weight of the whole global batch: the same update on 1 or N processes.
     weight = D.all_reduce_sum(torch.stack([x.weights.sum() for x in inputs]).sum().double().reshape(1), d)
     scale = d.world / weight.clamp(min=1e-8).float()          # DDP / FSDP average over ranks
