@@ -320,15 +320,14 @@ class Engine:
     def _emit(self, req: Request, new: list[int]) -> None:
         """Apply stop tokens, length and stop strings, then stream the delta."""
         delta = req.output.push(new)
-        self.stats.count("generated_tokens", len(delta.tokens))
         now = time.monotonic()
-        self.stats.tokens(req.handle.times, len(delta.tokens), now)   # before publishing: a client that
-        if delta.finished:                                             # saw its end finds it in /metrics
-            self.stats.request_finished(req.handle.times, req.output.finish_reason, now)
+        # Statistics before publishing: a client that saw its end finds it in /metrics.
+        self.stats.tokens(req.handle.times, len(delta.tokens), now)
         if not delta.finished:
             if delta.tokens or delta.text:
                 req.handle.publish(RequestOutput(req.id, delta.tokens, delta.text, False, None))
             return
+        self.stats.request_finished(req.handle.times, req.output.finish_reason, now)
         req.handle.publish(RequestOutput(req.id, delta.tokens, delta.text, True, req.output.finish_reason),
                            req.output.completion())
         self.stats.count("finished")

@@ -285,7 +285,7 @@ class FullWindow:
     def plan(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
         return None
 
-    def observe(self, outcome: RoundOutcome, proposal: Proposal | None, lens: torch.Tensor) -> None:
+    def observe(self, outcome: RoundOutcome, proposal: Proposal | None, lens: torch.Tensor | None) -> None:
         pass
 
 
@@ -370,11 +370,11 @@ class RoundPolicy:
         lens[:k] = plan(survival, table, draft_s, self.min_survival, base_rows=rows).to(lens.device)
         return lens
 
-    def observe(self, outcome: RoundOutcome, proposal: Proposal | None, lens: torch.Tensor) -> None:
+    def observe(self, outcome: RoundOutcome, proposal: Proposal | None, lens: torch.Tensor | None) -> None:
         """Learn from a finished round: confidences against what was verified and
         accepted (recalibration), and the drafting rows' survival (the gate)."""
         k = outcome.drafting_rows
-        if proposal is None or k == 0:
+        if proposal is None or lens is None or k == 0:   # lens is None exactly when nobody drafted
             return
         accepted = torch.tensor(outcome.accepted[:k])
         verified = lens[:k].cpu()

@@ -266,8 +266,8 @@ class RoundPolicy(Protocol):
     def plan(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
         """Drafts each of `rows` rows verifies [rows] (None: every row its whole proposal)."""
 
-    def observe(self, outcome: "RoundOutcome", proposal: Proposal | None, lens: torch.Tensor) -> None:
-        """The finished round."""
+    def observe(self, outcome: "RoundOutcome", proposal: Proposal | None, lens: torch.Tensor | None) -> None:
+        """The finished round (lens: what `plan` returned)."""
 
 
 @dataclass
@@ -339,7 +339,7 @@ def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "r
                            k, block if k else 0, draft_s=t_drafted - t_start, plan_s=t_planned - t_drafted,
                            verify_s=t_verified - t_planned)
     batch.anchors = verdict.bonus
-    policy.observe(outcome, proposal, lens if lens is not None else torch.tensor(verified))
+    policy.observe(outcome, proposal, lens)
     return outcome
 
 

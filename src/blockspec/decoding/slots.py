@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.decoding.memory import MemoryPlan, cache_bytes
+from blockspec.decoding.memory import MemoryPlan
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.kv_cache import KVCache

@@ -72,9 +72,6 @@ class EngineStats:
         with self._lock:
             self._counts[key] += n
 
-    def add_time(self, phase: str, seconds: float) -> None:
-        self._times[phase] += seconds
-
     def prefill(self, prompt_tokens: int, seconds: float) -> None:
         with self._lock:
             self._counts["prompt_tokens"] += prompt_tokens
@@ -106,12 +103,13 @@ class EngineStats:
         self._times["verify"] += outcome.verify_s
 
     def tokens(self, times: RequestTimes, n: int, now: float) -> None:
-        """A request delivered `n` tokens at `now`: its first token (TTFT, queue time) or the
+        """A request delivered `n` tokens at `now` (counted as generated): its first token (TTFT, queue time) or the
         gap since its previous delivery (inter-token latency; one sample per delivery, as vLLM)."""
         if n <= 0:
             return
         gap = times.delivered(n, now)
         with self._lock:
+            self._counts["generated_tokens"] += n
             if gap is None:
                 self._latency["time_to_first_token"].observe(now - times.arrival)
             else:
