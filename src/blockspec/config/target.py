@@ -89,10 +89,6 @@ class TargetConfig:
         require((self.attention_window is None) == (not self.window_layers),
                  f"{where}: a sliding window needs the layers it applies to, and layers need a window")
 
-    def layer_window(self, layer: int) -> int | None:
-        """The sliding window of decoder layer `layer` (None: full attention)."""
-        return self.attention_window if layer in self.window_layers else None
-
     @property
     def supported_length(self) -> int:
         """The longest sequence the model's RoPE supports (vLLM's derivation: scaled by

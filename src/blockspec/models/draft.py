@@ -61,6 +61,8 @@ class DraftModel(nn.Module):
         conf_rank = cfg.markov_rank if (cfg.confidence_head_with_markov and cfg.markov_rank > 0) else 0
         self.confidence_head = ConfidenceHead(cfg.hidden_size, conf_rank) if cfg.enable_confidence_head else None
         # Every layer's k_proj and v_proj in one GEMM over the context (inference).
+        self._temps_key: tuple | None = None   # the confidence temperatures as a tensor (`_calibrated`)
+        self._temps: torch.Tensor | None = None
         self._context_kv = FusedLinears(*(p for l in self.layers for p in (l.self_attn.k_proj, l.self_attn.v_proj)))
 
     @property
@@ -178,8 +180,8 @@ class DraftModel(nn.Module):
 
     def confidence(self, h: torch.Tensor, prev: torch.Tensor, first_slot: int = 0) -> torch.Tensor:
         """Per-slot acceptance probability c_k [B, S] of draft slots first_slot.. (calibrated
-        when temperatures are set)."""
-        return self.confidence_from(*self.confidence_terms(h), prev, first_slot)
+        when temperatures are set). Looks up only the B x S previous tokens' terms."""
+        return self._calibrated(self.confidence_logit(h, prev).float(), first_slot)
 
     def confidence_terms(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The confidence logit split by input (`ConfidenceHead`): the hidden-state part of
@@ -194,8 +196,15 @@ class DraftModel(nn.Module):
     def confidence_from(self, h_term: torch.Tensor, prev_term: torch.Tensor | None, prev: torch.Tensor,
                         first_slot: int = 0) -> torch.Tensor:
         """c_k [B, S] from `confidence_terms` (h_term [B, S]) and the previous tokens prev [B, S]."""
-        raw = h_term if prev_term is None else h_term + prev_term[prev]
+        return self._calibrated(h_term if prev_term is None else h_term + prev_term[prev], first_slot)
+
+    def _calibrated(self, logit: torch.Tensor, first_slot: int) -> torch.Tensor:
+        """sigmoid(logit / T_k) for slots first_slot.. (T: the STS temperatures, if any)."""
         temps = self.config.confidence_temperatures
-        if temps is not None:
-            raw = raw / torch.tensor(temps[first_slot:first_slot + raw.shape[-1]], device=raw.device)
-        return torch.sigmoid(raw)
+        if temps is None:
+            return torch.sigmoid(logit)
+        key = (temps, logit.device)
+        if self._temps_key != key:   # built once per config and device, not once per drafted slot
+            self._temps = torch.tensor(temps, device=logit.device)
+            self._temps_key = key
+        return torch.sigmoid(logit / self._temps[first_slot:first_slot + logit.shape[-1]])

@@ -78,7 +78,7 @@ class TargetModel(nn.Module):
         to the sliding window (queries at q_pos [B, T]) for the window's layers."""
         n = len(self.layers)
         window = self.config.attention_window
-        if window is None:
+        if window is None or key_len <= window:   # no key can fall out of the window
             return [mask] * n
         narrowed = sliding_window_mask(mask, q_pos, key_len, window)
         return [narrowed if i in self._window_layers else mask for i in range(n)]
