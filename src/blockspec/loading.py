@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from blockspec import embedded
-from blockspec.config import DRAFT_METHODS, GenerationDefaults
+from blockspec.config import DRAFT_METHODS, METHODS, GenerationDefaults
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import load_draft, load_target
 from blockspec.models.draft import DraftModel
@@ -82,9 +82,10 @@ def load_models(target: str | Path | None = None, draft: str | Path | None = Non
     tokenizer = Tokenizer(target_dir, chat_template=chat_template)  # refuses a bad or hostile chat template
     draft_model = None
     if method != "ar":
-        draft_dir = Path(draft) if draft else embedded.default_draft(method)
-        draft_model = load_draft(draft_dir, dtype=target_model.dtype, device=target_model.device,
-                                 target=target_model, allow_nonfinite=allow_nonfinite)
+        kind = draft_kind(method)
+        if kind is None:
+            raise BlockspecError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        draft_model = load_drafts(target_model, {kind: draft}, [method], allow_nonfinite=allow_nonfinite)[kind]
         if block_size:
             draft_model = draft_model.with_block_size(block_size)
     return LoadedModels(target_model, tokenizer, draft_model, method, load_generation_defaults(target_dir))

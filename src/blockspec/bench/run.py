@@ -30,6 +30,7 @@ from blockspec.loading import draft_kind, load_drafts
 from blockspec.models.checkpoint import load_target, resolve_device
 from blockspec.models.target import TargetModel
 from blockspec.models.tokenizer import Tokenizer
+from blockspec.training.data import keep_end
 
 __all__ = ["run_bench"]
 
@@ -83,8 +84,8 @@ def _encode(prompts: Sequence[BenchPrompt], tokenizer: Any, budget: int, notes: 
         if not ids:
             notes.append(f"{name}: prompt {p.id} encodes to no tokens; skipped")
             continue
-        if len(ids) > budget:
-            ids, cut = ids[-budget:], cut + 1
+        if len(ids) > budget:   # as training cuts prompts: the end, keeping a leading BOS
+            ids, cut = keep_end(ids, budget, tokenizer.bos_token_id), cut + 1
         ids_out.append(ids)
         kept.append(p)
     if cut:

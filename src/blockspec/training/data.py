@@ -48,10 +48,10 @@ def load_prompts(source: str, tokenizer: Tokenizer, limit: int, seed: int = 0,
             prompts.append(ids[start:start + length])
         return prompts
     texts = [text for _, text in read_prompt_jsonl(path, tokenizer)]
-    return [_keep_end(tokenizer.encode(text), max_tokens, tokenizer.bos_token_id) for text in texts[:limit]]
+    return [keep_end(tokenizer.encode(text), max_tokens, tokenizer.bos_token_id) for text in texts[:limit]]
 
 
-def _keep_end(ids: list[int], max_tokens: int, bos: int | None) -> list[int]:
+def keep_end(ids: list[int], max_tokens: int, bos: int | None) -> list[int]:
     """The last `max_tokens` ids (what the model continues), keeping a leading BOS: models trained
     with one (Llama, Mistral) are off their distribution without it."""
     if len(ids) <= max_tokens:

@@ -11,6 +11,7 @@ are atomic and resume exactly (checkpointing.py). Drafts are written directly in
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -35,7 +36,7 @@ from blockspec.training.conversations import end_of_turn_ids
 from blockspec.training.data import EpochBatches, Example, collate, collate_packed, load_examples, resolve_mask_token_id
 from blockspec.training.logging import TrainLogger
 from blockspec.training.losses import SUMS
-from blockspec.training.objective import DraftObjective, anchor_generators, prepare
+from blockspec.training.objective import DraftObjective, anchor_generators, prepare, uses_target_probs
 from blockspec.training.train_config import (BUDGET_CALIBRATION_STEPS, Schedule, TrainConfig, draft_config_for,
                                              fit_to_budget, lr_at, scheduler_state, warm_start)
 
@@ -225,20 +226,12 @@ def train_step(run: Run) -> dict:
 def _sync(model: torch.nn.Module, last: bool):
     """Gradient accumulation: ranks synchronise gradients only on the last micro-batch."""
     if last:
-        return _Null()
+        return contextlib.nullcontext()
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model.no_sync()
     if hasattr(model, "set_requires_gradient_sync"):   # FSDP2
         return _FsdpNoSync(model)
-    return _Null()
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    return contextlib.nullcontext()
 
 
 class _FsdpNoSync:
@@ -260,7 +253,7 @@ def _record(run: Run, sums: torch.Tensor, weight: float, grad_norm: float, token
            "tau_est": round(1 + s["accepted"] / max(s["blocks"], 1.0), 3),
            "lr": lr_at(run.step - 1, run.total, run.cfg), "grad_norm": round(grad_norm, 3),
            "tokens_per_s": round(tokens / max(dt, 1e-9), 1), "total": run.total}
-    if run.draft.markov_head is not None or run.draft.confidence_head is not None:
+    if uses_target_probs(run.draft):
         rec["l1"] = round(s["l1"] / w, 4)
         if run.draft.confidence_head is not None:
             rec["bce"] = round(s["bce"] / w, 4)
