@@ -19,6 +19,7 @@ from torch import nn
 
 from blockspec.config import DraftConfig
 from blockspec.errors import BlockspecError
+from blockspec.models.attention import ALL_KEYS, KeyMask, limit_mask
 from blockspec.models.heads import ConfidenceHead, MarkovHead
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.layers import Attention, FusedLinears, Linear, RMSNorm, RotaryEmbedding, SwiGLU
@@ -33,7 +34,7 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | KeyMask | None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None, upto: int = 0,
                 context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Block tokens h attend (non-causally, under `mask`) to context K/V plus the block's own:
@@ -133,13 +134,11 @@ class DraftModel(nn.Module):
     def block_hidden(self, block_ids: torch.Tensor, cache: KVCache, embed: nn.Embedding) -> torch.Tensor:
         """block_ids [B, S] at positions cache.lengths.. -> normed hidden states [B, S, H]."""
         b, s = block_ids.shape
-        cache.check_room(s)
+        upto = cache.check_room(s) + s
         slots = cache.positions(s)
-        upto = int(cache.lengths.max()) + s
-        mask = None
-        if b > 1:
-            key_pos = torch.arange(upto, device=block_ids.device)
-            mask = (key_pos.view(1, 1, upto) < (cache.lengths + s).view(b, 1, 1)).unsqueeze(1)
+        # Non-causal block: the only constraint is each row's key length (context + block),
+        # a [B, 1, 1, K] mask or a flex block mask (attention.py); one row sees every key.
+        mask = ALL_KEYS if b == 1 else limit_mask(cache.lengths + s, s, upto, causal=False)
         h = embed(block_ids).to(self.dtype)
         cos, sin = self.rotary(slots, h.dtype)
         for layer in self.layers:

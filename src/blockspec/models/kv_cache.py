@@ -46,13 +46,16 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def check_room(self, width: int) -> None:
-        """Raise if appending `width` slots to the longest row would overflow."""
-        need = int(self.lengths.max()) + width
+    def check_room(self, width: int) -> int:
+        """Raise if appending `width` slots to the longest row would overflow; else return
+        the longest row's length (the one host read a forward needs for its key range)."""
+        longest = int(self.lengths.max())
+        need = longest + width
         if need > self.capacity:
             raise BlockspecError(
                 f"KV cache overflow: {need} positions needed, capacity is {self.capacity} "
                 "(prompt + max_new_tokens + block is too long for this cache)")
+        return longest
 
     def positions(self, width: int) -> torch.Tensor:
         """Slots / RoPE positions of the next `width` tokens of every row, [rows, width]."""
@@ -81,17 +84,6 @@ class KVCache:
 
     def view(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer, :, :, :upto], self.v[layer, :, :, :upto]
-
-    def causal_mask(self, width: int) -> tuple[torch.Tensor | None, int]:
-        """Mask for `width` new tokens appended causally: query t of row r sees slots
-        <= lengths[r] + t. Returns (mask or None when no mask is needed, key length)."""
-        upto = int(self.lengths.max()) + width
-        if self.rows == 1 and width == 1:
-            return None, upto
-        key_pos = torch.arange(upto, device=self.lengths.device)
-        limit = self.positions(width)  # [rows, width]
-        mask = key_pos.view(1, 1, upto) <= limit.unsqueeze(-1)
-        return mask.unsqueeze(1), upto
 
     def advance(self, n: torch.Tensor | int) -> None:
         self.lengths += n

@@ -1,6 +1,6 @@
-"""Building blocks shared by the target and the draft: RMSNorm, RoPE, SwiGLU,
-the one attention module (its forward is the one attention body) and the one
-attention function."""
+"""Building blocks shared by the target and the draft: RMSNorm, RoPE, SwiGLU and
+the one attention module (its forward is the one attention body; the attention
+function and its kernels are in attention.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.config import RopeConfig
+from blockspec.models.attention import KeyMask, attend
 from blockspec.models.kv_cache import KVCache
 
 
@@ -307,14 +308,6 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-    """The one attention function: q [B,H,T,D], k/v [B,Hkv,S,D]; mask [B,1,T,S] bool
-    (True = may attend) or None. GQA without copying K/V (enable_gqa)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
 class Attention(nn.Module):
     """One attention layer (HF parameter names), the one attention body of the target's
     decode and packed verification and of the draft's block.
@@ -392,18 +385,22 @@ class Attention(nn.Module):
         b, _, t, _ = attn.shape
         return self.o_proj(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | KeyMask | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None, upto: int = 0, *,
                 packed: tuple[torch.Tensor, torch.Tensor] | None = None,
-                context: tuple[torch.Tensor, torch.Tensor] | None = None, causal: bool = False) -> torch.Tensor:
+                context: tuple[torch.Tensor, torch.Tensor] | None = None, causal: bool = False,
+                width: int = 0) -> torch.Tensor:
         """x [B, T, hidden] (already normed) -> attention output [B, T, hidden].
 
         Keys and values, by what is given:
         - `cache`: this block's K/V are written at `slots` [B, T] of every row and the
-          queries read the cache's slots [0, upto) under `mask` [B, 1, T, upto] (None: all);
+          queries read the cache's slots [0, upto) under `mask` [B, 1, T, upto] or a
+          KeyMask (None: all); a KeyMask with self_causal (rows that were empty) reads
+          the block's own K/V instead, causally and without a mask;
         - `cache` and `packed` = (rows, cols) [N]: x [1, N, hidden] is a packed ragged
           sequence whose token i is the cols[i]-th new token of cache row rows[i], written
-          at slots [N]; `mask` [R, 1, W, upto] is per row (W = widest row);
+          at slots [N]; `mask` is per row and `width` its query count W (the widest row);
         - `context` = (k, v) [B, Hkv, S, D]: explicit K/V placed before the block (training);
         - neither: the block attends to itself (causally when `causal`, or under `mask`)."""
         q, k, v = self.project_qkv(x, cos, sin)
@@ -413,13 +410,15 @@ class Attention(nn.Module):
             return self.output(attend(q, k, v, mask, causal))
         if packed is None:
             cache.write(self.layer_idx, k, v, slots)
+            if isinstance(mask, KeyMask) and mask.self_causal:  # empty rows: the cache holds just k, v
+                return self.output(attend(q, k, v, mask))
             ck, cv = cache.view(self.layer_idx, upto)
             return self.output(attend(q, ck, cv, mask))
         rows, cols = packed
         cache.write_packed(self.layer_idx, k[0], v[0], rows, slots)
         # Attention reads each row's cache once: queries are scattered to [R, Hq, W, D]
-        # for one SDPA call, and the masked padding queries are dropped again.
-        q_rows = q.new_zeros(cache.rows, q.shape[1], mask.shape[2], q.shape[3])
+        # for one attention call, and the padding queries' outputs are dropped again.
+        q_rows = q.new_zeros(cache.rows, q.shape[1], width, q.shape[3])
         q_rows[rows, :, cols] = q[0].transpose(0, 1)
         ck, cv = cache.view(self.layer_idx, upto)
         out = attend(q_rows, ck, cv, mask)[rows, :, cols]            # [N, Hq, D]

@@ -15,8 +15,11 @@ import torch
 from torch import nn
 
 from blockspec.config import TargetConfig
+from blockspec.models.attention import ALL_KEYS, KeyMask, dense_limit_mask, limit_mask
 from blockspec.models.kv_cache import KVCache, sliding_window_mask
 from blockspec.models.layers import Attention, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+
+LayerMask = torch.Tensor | KeyMask | None
 
 
 class DecoderLayer(nn.Module):
@@ -28,12 +31,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: LayerMask,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None, upto: int = 0,
-                packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                packed: tuple[torch.Tensor, torch.Tensor] | None = None, width: int = 0) -> torch.Tensor:
         """Causal attention (see `Attention.forward` for the cache / packed arguments) + MLP."""
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, slots, upto,
-                               packed=packed, causal=True)
+                               packed=packed, causal=True, width=width)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -83,6 +86,28 @@ class TargetModel(nn.Module):
         narrowed = sliding_window_mask(mask, q_pos, key_len, window)
         return [narrowed if i in self._window_layers else mask for i in range(n)]
 
+    def _append_masks(self, lengths: torch.Tensor, width: int, upto: int, q_pos: torch.Tensor,
+                      fresh: bool) -> list[KeyMask]:
+        """Each layer's keys for `width` tokens appended causally after rows of `lengths` [R]:
+        query t of row r sees slots <= lengths[r] + t of [0, upto). fresh: every row was
+        empty, so the block attends to itself (SDPA is_causal, no mask; padding queries of
+        right-padded rows are never read). q_pos [R, width]: the queries' positions (below
+        upto), read only for sliding-window layers, which keep a dense band mask."""
+        if fresh:
+            main = KeyMask(self_causal=True)
+        elif lengths.shape[0] == 1 and width == 1:
+            main = ALL_KEYS                    # one row's next token sees its whole cache
+        else:
+            main = limit_mask(lengths + 1, width, upto, causal=True)
+        window = self.config.attention_window
+        if window is None or upto <= window:   # no key can fall out of the window
+            return [main] * len(self.layers)
+        causal = None                          # None: plain causal over key positions (fresh, one row)
+        if not fresh and main is not ALL_KEYS:
+            causal = main.dense if main.dense is not None else dense_limit_mask(lengths + 1, width, upto, True)
+        narrowed = KeyMask(dense=sliding_window_mask(causal, q_pos, upto, window))
+        return [narrowed if i in self._window_layers else main for i in range(len(self.layers))]
+
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, *,
                 num_new: torch.Tensor | None = None, capture: tuple[int, ...] = (),
                 logits_at: torch.Tensor | None = None,
@@ -121,20 +146,21 @@ class TargetModel(nn.Module):
             if self.rotary.rope.length_dependent:  # one call over the whole sequence
                 seq_len = positions.new_full((1, 1), t)
         else:
-            cache.check_room(t)
+            longest = cache.check_room(t)
             positions = cache.positions(t)
             slots = positions
-            if mask is None:
-                mask, upto = cache.causal_mask(t)
-            else:
-                upto = mask.shape[-1]
+            upto = longest + t if mask is None else mask.shape[-1]
             if self.rotary.rope.length_dependent:
                 # A row started by this call (its prompt) has the prompt's length; later
                 # tokens each their own (RotaryEmbedding's docstring).
                 n = torch.as_tensor(t if num_new is None else num_new, device=h.device).expand(b)
                 seq_len = torch.where((cache.lengths == 0).unsqueeze(1), n.unsqueeze(1), positions + 1)
         cos, sin = self.rotary(positions, h.dtype, seq_len=seq_len)
-        masks = self._layer_masks(mask, positions if key_pos is None else key_pos, upto)
+        masks: list[LayerMask]
+        if cache is not None and mask is None:
+            masks = list(self._append_masks(cache.lengths, t, upto, positions, fresh=longest == 0))
+        else:
+            masks = list(self._layer_masks(mask, positions if key_pos is None else key_pos, upto))
         captured: dict[int, torch.Tensor] = {}
         last = max(capture) if output == "features" else len(self.layers) - 1
         for i, layer in enumerate(self.layers[:last + 1]):
@@ -206,7 +232,6 @@ class TargetModel(nn.Module):
         upto = int((cache.lengths + counts).max())
         # Query t of row r sees slots <= lengths[r] + t (padding queries included: no empty rows).
         limit = cache.lengths.unsqueeze(1) + torch.arange(width, device=tokens.device)
-        mask = (torch.arange(upto, device=tokens.device).view(1, 1, upto) <= limit.unsqueeze(-1)).unsqueeze(1)
         h = self.embed_tokens(tokens).unsqueeze(0)
         slots = cache.lengths[rows] + cols
         seq_len = None
@@ -215,10 +240,10 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary(slots.unsqueeze(0), h.dtype, seq_len=seq_len)
         # Padding queries (beyond a row's count) are clamped into the key range so that
         # their sliding window is never empty (their outputs are dropped).
-        masks = self._layer_masks(mask, limit.clamp(max=upto - 1), upto)
+        masks = self._append_masks(cache.lengths, width, upto, limit.clamp(max=upto - 1), fresh=False)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, masks[i], cache, slots, upto, (rows, cols))
+            h = layer(h, cos, sin, masks[i], cache, slots, upto, (rows, cols), width)
             if i in capture:
                 captured[i] = h
         cache.advance(counts)

@@ -1,0 +1,139 @@
+"""Which attention kernel a forward's queries use, and what each kernel needs to know.
+
+Every cached forward appends a block of W tokens per row after that row's length
+L[r]; what a query may see is a per-row key-length limit (docs/design.md section 2,
+"Attention kernels"):
+
+- fresh rows (every L[r] = 0, right-padded prompts): the block attends to itself
+  causally. SDPA with `is_causal=True` and no mask (flash kernel on CUDA, the fused
+  CPU kernel on the CPU); padding queries see only padding and real keys before
+  them, and their outputs are never read.
+- appended to a cache (decode W = 1, verify, packed verify, a later prefill chunk):
+  query t of row r sees slots <= L[r] + t; the draft's block sees slots < L[r] + W.
+  On CUDA: `flex_attention` (compiled) with a block mask built from the lengths
+  alone, so no [rows x W x context] tensor exists and key blocks past a row's
+  length are skipped (a short row no longer pays for the longest). Elsewhere:
+  SDPA with a boolean mask, which for W = 1 and the draft block is only a
+  key-length mask [R, 1, 1, K]; the CPU has no fused flex kernel (eager
+  flex_attention materialises the scores, and compiling it costs tens of seconds
+  per shape), and SDPA with a mask is its fused kernel.
+- sliding-window layers keep a dense mask whenever a key can leave the window.
+
+BLOCKSPEC_ATTENTION=sdpa|flex overrides the per-device choice (tests run the flex
+path on the CPU, eagerly, against the masked one).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+BACKENDS = ("auto", "sdpa", "flex")
+FLEX_BLOCK = 128  # flex_attention's default tile (queries and keys)
+
+
+def backend_for(device: torch.device) -> str:
+    """"flex" or "sdpa" for tensors on `device` (BLOCKSPEC_ATTENTION, read per call so
+    tests and benchmarks can switch it)."""
+    choice = os.environ.get("BLOCKSPEC_ATTENTION", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"BLOCKSPEC_ATTENTION must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    if choice == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return choice
+
+
+@dataclass(frozen=True)
+class KeyMask:
+    """What one layer's queries may see, in the form its kernel takes. Exactly one of:
+    `dense` bool [B, 1, T, K] (True = may attend; SDPA), `block` (flex_attention),
+    `self_causal` (keys are the block's own, causal: SDPA is_causal), or nothing
+    (every key)."""
+    dense: torch.Tensor | None = None
+    block: BlockMask | None = None
+    self_causal: bool = False
+
+
+ALL_KEYS = KeyMask()
+
+_compiled_flex: Callable | None = None
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: BlockMask) -> torch.Tensor:
+    """flex_attention, compiled on CUDA (its eager form materialises every score, which
+    defeats the point there; on the CPU the eager form is only for tests)."""
+    global _compiled_flex
+    fn = flex_attention
+    if q.device.type == "cuda" and not torch.compiler.is_compiling():
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention)
+        fn = _compiled_flex
+    return fn(q, k, v, block_mask=block, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: torch.Tensor | KeyMask | None = None, causal: bool = False) -> torch.Tensor:
+    """The one attention function: q [B,H,T,D], k/v [B,Hkv,S,D]. mask: a bool tensor
+    [B,1,T,S] (True = may attend), a KeyMask, or None (all keys, or causal when
+    `causal`). GQA without copying K/V (enable_gqa)."""
+    if isinstance(mask, KeyMask):
+        if mask.block is not None:
+            return _flex(q, k, v, mask.block)
+        causal, mask = mask.self_causal, mask.dense
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def limit_block_mask(first_limit: torch.Tensor, q_len: int, kv_len: int, causal: bool) -> BlockMask:
+    """Block mask where query t of row r sees keys j < first_limit[r] + (t if causal else 0),
+    built from the limits alone ([R] tensors; nothing of size rows x queries x keys).
+
+    Per (row, query tile): key tiles wholly visible to every query of the tile are
+    "full" (no mask_mod call), the tiles up to the last visible key are partial,
+    and the rest are skipped."""
+    dev, n = first_limit.device, FLEX_BLOCK
+    rows = first_limit.shape[0]
+    nq, nkv = -(-q_len // n), -(-kv_len // n)
+    q_first = torch.arange(nq, device=dev) * n
+    q_last = torch.clamp(q_first + n, max=q_len) - 1
+    if not causal:  # every query of a tile has the row's limit
+        q_first, q_last = torch.zeros_like(q_first), torch.zeros_like(q_last)
+    lo = first_limit.view(rows, 1) + q_first   # keys < lo: seen by every query of the tile  [R, nq]
+    hi = first_limit.view(rows, 1) + q_last    # keys < hi: seen by some
+    full = torch.clamp(lo // n, 0, nkv)
+    partial = torch.clamp((hi + n - 1) // n, 0, nkv) - full
+    tiles = torch.arange(nkv, device=dev)
+    limit = first_limit.view(rows)
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return kv < limit[b] + (q if causal else 0)
+
+    return BlockMask.from_kv_blocks(
+        partial.to(torch.int32).view(rows, 1, nq),
+        torch.clamp(full.unsqueeze(-1) + tiles, max=nkv - 1).to(torch.int32).view(rows, 1, nq, nkv),
+        full.to(torch.int32).view(rows, 1, nq),
+        tiles.to(torch.int32).expand(rows, 1, nq, nkv),
+        BLOCK_SIZE=n, mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+
+
+def dense_limit_mask(first_limit: torch.Tensor, q_len: int, kv_len: int, causal: bool) -> torch.Tensor:
+    """The same constraint as `limit_block_mask` as a bool tensor: [R, 1, T, K] when
+    causal, else [R, 1, 1, K] (a key-length mask, broadcast over the queries)."""
+    key = torch.arange(kv_len, device=first_limit.device).view(1, 1, kv_len)
+    limit = first_limit.view(-1, 1, 1)
+    if causal:
+        limit = limit + torch.arange(q_len, device=first_limit.device).view(1, q_len, 1)
+    return (key < limit).unsqueeze(1)
+
+
+def limit_mask(first_limit: torch.Tensor, q_len: int, kv_len: int, causal: bool) -> KeyMask:
+    """Query t of row r sees keys < first_limit[r] (+ t when causal), in the kernel's form
+    (`backend_for`)."""
+    if backend_for(first_limit.device) == "flex":
+        return KeyMask(block=limit_block_mask(first_limit, q_len, kv_len, causal))
+    return KeyMask(dense=dense_limit_mask(first_limit, q_len, kv_len, causal))
