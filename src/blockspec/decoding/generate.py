@@ -15,6 +15,7 @@ import torch
 
 from blockspec.config import METHODS, SamplingParams
 from blockspec.decoding.acceptance import tau
+from blockspec.decoding.captured import captured_steps
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
 from blockspec.decoding.policy import FullWindow
 from blockspec.decoding.round import DirectContext, RoundInputs, RoundOutcome, prefill, speculative_round
@@ -86,8 +87,10 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
              forced_acceptance: Iterator[int] | None = None) -> GenerationOutput:
     """Generate for a batch of tokenised prompts. `on_tokens(row, tokens)` streams output.
 
-    compile: AR decoding runs the target's torch.compile'd one-token step
-    (`TargetModel.compile_decode`, kept on the model for later calls).
+    compile: speculative methods (and AR on CUDA) run the round's forwards as captured
+    static-shape steps (decoding/captured.py: CUDA graphs on CUDA, inductor elsewhere); AR
+    on the CPU runs the target's torch.compile'd one-token step (`TargetModel.compile_decode`).
+    Both stay on the model for later calls.
     tokenizer: needed for stop strings (`SamplingParams.stop`); completions then carry text.
     observer: sees every round's outcome (calibration, traces).
     forced_acceptance: accepted-draft counts imposed round after round on every row
@@ -104,7 +107,7 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     if forced_acceptance is not None and draft is None:
         raise BlockspecError("forced acceptance needs a speculative method")
     states = [RequestOutputState(p, target.config.eos_token_id, tokenizer) for p in params]
-    batch = _start(target, draft, prompts, params, compile and method == "ar")
+    batch = _start(target, draft, prompts, params, compile)
     timing = Timing(prefill_s=batch.prefill_s)
     active = list(range(len(prompts)))
     for r, tok in enumerate(batch.inputs.anchors.tolist()):
@@ -140,19 +143,27 @@ def _start(target: TargetModel, draft: DraftModel | None, prompts: list[list[int
     """Allocate the caches for the whole generation and prefill every prompt."""
     width = draft.config.block_size + 1 if draft is not None else 1
     capacity = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)) + width + 1
-    if compile:
+    # compile: speculative rounds (every round on CUDA) run as captured static steps
+    # (decoding/captured.py); CPU AR keeps its tuned compiled decode step.
+    captured = captured_steps(target, draft) if compile and (draft is not None or target.device.type == "cuda") else None
+    if compile and captured is None:
         target.compile_decode()
-    if draft is None and target.decode_compiled:
+    if captured is not None or (draft is None and target.decode_compiled):
         # The compiled step's shapes include the capacity: round it up to a power of two
         # so nearby prompt lengths share one graph.
         capacity = max(256, 1 << (capacity - 1).bit_length())
-    cache = target.new_cache(len(prompts), capacity)
-    draft_cache = draft.new_cache(len(prompts), capacity + width) if draft is not None else None
+    if captured is not None:
+        cache, draft_cache = captured.new_caches(len(prompts), capacity, capacity + width)
+    else:
+        cache = target.new_cache(len(prompts), capacity)
+        draft_cache = draft.new_cache(len(prompts), capacity + width) if draft is not None else None
     sampler = RowSampler.from_params(params, target.device)
     t0 = time.perf_counter()
     anchors = prefill(target, cache, prompts, sampler, draft, draft_cache)
     context = DirectContext(draft, draft_cache) if draft is not None and draft_cache is not None else None
-    return _Batch(RoundInputs(target, draft, cache, draft_cache, context, anchors, sampler),
+    if captured is not None and draft is not None:
+        context = captured.context()
+    return _Batch(RoundInputs(target, draft, cache, draft_cache, context, anchors, sampler, captured=captured),
                   time.perf_counter() - t0)
 
 
@@ -169,9 +180,12 @@ def _drop_finished(batch: RoundInputs, active: list[int], states: list[RequestOu
     if len(keep) == len(active) or not keep:
         return [active[i] for i in keep]
     index = torch.tensor(keep, device=batch.anchors.device)
-    batch.cache.keep_rows(index)
-    if batch.draft_cache is not None:
-        batch.draft_cache.keep_rows(index)
+    if batch.captured is not None:   # its buffers stay put: compiled graphs hold their addresses
+        batch.cache, batch.draft_cache = batch.captured.keep_rows(keep)
+    else:
+        batch.cache.keep_rows(index)
+        if batch.draft_cache is not None:
+            batch.draft_cache.keep_rows(index)
     batch.sampler = batch.sampler.select(keep)
     batch.anchors = batch.anchors[index]
     return [active[i] for i in keep]

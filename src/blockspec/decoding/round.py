@@ -19,6 +19,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from blockspec.decoding.captured import CapturedSteps
 from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify
 from blockspec.models.draft import DraftModel
 from blockspec.models.kv_cache import KVCache
@@ -88,7 +89,7 @@ def _prefill_rows(target: TargetModel, cache: KVCache, prompts: list[list[int]],
 
 def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
             sampler: RowSampler, num_drafts: int | None = None, *, stop_below: float = 0.0,
-            confidence_map: ConfidenceMap | None = None) -> Proposal:
+            confidence_map: ConfidenceMap | None = None, captured: CapturedSteps | None = None) -> Proposal:
     """One draft forward for the whole block, then sampling of g drafts.
 
     num_drafts: draft a shorter block than trained (g < the draft's window; the
@@ -98,7 +99,7 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
     (DSpark with a confidence head): stop drafting at the first slot where every
     row's prefix survival, as the policy computes it, is below it (the policy
     never admits such slots, so they need no logits); the proposal is then
-    shorter than g."""
+    shorter than g. captured: run the block forward as its static (compiled) step."""
     cfg = draft.config
     g = cfg.num_drafts if num_drafts is None else num_drafts
     if not 1 <= g <= cfg.num_drafts:
@@ -106,7 +107,10 @@ def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchor
     block = torch.full((anchors.shape[0], cfg.first_draft_slot + g), cfg.mask_token_id, dtype=torch.long,
                        device=anchors.device)
     block[:, 0] = anchors
-    hidden = draft.block_hidden(block, draft_cache, target.embed_tokens)
+    if captured is not None:
+        hidden = captured.block_hidden(draft, block, draft_cache, target.embed_tokens)
+    else:
+        hidden = draft.block_hidden(block, draft_cache, target.embed_tokens)
     slots = hidden[:, cfg.first_draft_slot:cfg.first_draft_slot + g]
     if draft.markov_head is None:
         base = target.lm_head(slots.to(target.dtype)).float()
@@ -172,7 +176,8 @@ def _markov_drafts(draft: DraftModel, target: TargetModel, slots: torch.Tensor, 
 def verify_and_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor, proposal: Proposal | None,
                       sampler: RowSampler, *, num_drafts: torch.Tensor | None = None,
                       capture: tuple[int, ...] = (), rule: str = "rejection", packed: bool = False,
-                      forced: torch.Tensor | None = None) -> tuple[Verdict, torch.Tensor | None]:
+                      forced: torch.Tensor | None = None, captured: CapturedSteps | None = None
+                      ) -> tuple[Verdict, torch.Tensor | None]:
     """Target forward over [anchor, drafts]; keep the accepted prefix in the target cache.
 
     num_drafts [R]: drafts each row verifies (default all; the rest count as not
@@ -181,6 +186,8 @@ def verify_and_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor
     otherwise a dense [R, g+1] forward (or the one-token decode step for AR).
     forced [R]: impose the accepted counts (the bench's simulated acceptance: the
     rule still runs for its cost, its verdict is discarded, not lossless).
+    captured (dense only): the forward runs as the static (compiled) target step and
+    the commit sets the lengths without reading them on the host.
     Returns the verdict and, with `capture`, the target features of each row's new
     tokens [R, W, F] (row r's first accepted[r] + 1 are the kept ones): the
     draft's next context."""
@@ -193,6 +200,8 @@ def verify_and_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor
         drafts, probs = drafts[:, :g], None if probs is None else probs[:, :g]
         counts = num_drafts if num_drafts is not None else torch.full_like(anchors, g)
         logits, features = _packed_forward(target, cache, anchors, drafts, counts, capture)
+    elif captured is not None:
+        logits, features = captured.target_forward(cache, torch.cat([anchors.unsqueeze(1), drafts], dim=1), capture)
     elif proposal is None and not capture:
         logits, features = target.decode_step(anchors, cache), None
     else:
@@ -203,7 +212,10 @@ def verify_and_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor
         rows = torch.arange(r, device=logits.device)
         verdict = Verdict(forced, sample(logits[rows, forced].unsqueeze(1), sampler)[0][:, 0])
     # Keep anchor + accepted drafts; the bonus gets its KV when it is the next anchor.
-    cache.truncate(start + verdict.accepted + 1)
+    if captured is not None and not packed:   # the static step left the lengths alone
+        cache.lengths.copy_(start + verdict.accepted + 1)
+    else:
+        cache.truncate(start + verdict.accepted + 1)
     return verdict, features
 
 
@@ -301,6 +313,7 @@ class RoundInputs:
     context: DraftContext | None
     anchors: torch.Tensor
     sampler: RowSampler
+    captured: CapturedSteps | None = None   # run the forwards as static (compiled) steps on its caches
 
 
 def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "rejection", packed: bool = False,
@@ -318,29 +331,50 @@ def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "r
         sub = sampler if k == r else sampler.select(list(range(k)))
         cache = batch.draft_cache if k == r else batch.draft_cache.slice_rows(0, k)
         proposal = propose(draft, target, cache, anchors[:k], sub, num_drafts=block,
-                           stop_below=policy.stop_below(k), confidence_map=policy.confidence_map())
+                           stop_below=policy.stop_below(k), confidence_map=policy.confidence_map(),
+                           captured=batch.captured)
     t_drafted = time.perf_counter()
     lens = policy.plan(proposal, r, block)
     if proposal is not None and k < r:
         proposal = pad_rows(proposal, r, None if sampler.all_greedy else target.config.vocab_size)
     t_planned = time.perf_counter()
     capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
+    if forced is not None:   # simulated acceptance never exceeds what a row verified
+        verified_now = lens if lens is not None else torch.full_like(
+            forced, proposal.tokens.shape[1] if proposal is not None else 0)
+        forced = torch.minimum(forced, verified_now)
     verdict, features = verify_and_commit(target, batch.cache, anchors, proposal, sampler, num_drafts=lens,
-                                          capture=capture, rule=rule, packed=packed, forced=forced)
+                                          capture=capture, rule=rule, packed=packed, forced=forced,
+                                          captured=None if packed else batch.captured)
     if features is not None:
         assert batch.context is not None
         batch.context.add(features, verdict.accepted + 1)
     t_verified = time.perf_counter()
-    accepted = verdict.accepted.tolist()
-    drafted = proposal.tokens.tolist() if proposal is not None else [[] for _ in range(r)]
-    verified = lens.tolist() if lens is not None else [len(d) for d in drafted]
+    accepted, bonus, drafted, verified = _outcome_lists(verdict, proposal, lens, r)
     raw = proposal.raw_confidence if proposal is not None else None
-    outcome = RoundOutcome(drafted, verified, accepted, verdict.bonus.tolist(), None if raw is None else raw[:k],
+    outcome = RoundOutcome(drafted, verified, accepted, bonus, None if raw is None else raw[:k],
                            k, block if k else 0, draft_s=t_drafted - t_start, plan_s=t_planned - t_drafted,
                            verify_s=t_verified - t_planned)
     batch.anchors = verdict.bonus
     policy.observe(outcome, proposal, lens)
     return outcome
+
+
+def _outcome_lists(verdict: Verdict, proposal: Proposal | None, lens: torch.Tensor | None, rows: int
+                   ) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+    """(accepted, bonus, drafted, verified) on the host in ONE transfer: the round's only
+    synchronisation on a GPU (each .tolist() would be a device-to-host copy and a wait)."""
+    parts = [verdict.accepted.view(rows, 1), verdict.bonus.view(rows, 1)]
+    g = proposal.tokens.shape[1] if proposal is not None else 0
+    if proposal is not None:
+        parts.append(proposal.tokens)
+    if lens is not None:
+        parts.append(lens.view(rows, 1))
+    host = torch.cat([p.to(torch.long) for p in parts], dim=1).tolist()
+    accepted, bonus = [h[0] for h in host], [h[1] for h in host]
+    drafted = [h[2:2 + g] for h in host]
+    verified = [h[2 + g] for h in host] if lens is not None else [g] * rows
+    return accepted, bonus, drafted, verified
 
 
 def pad_rows(proposal: Proposal, rows: int, vocab: int | None = None) -> Proposal:

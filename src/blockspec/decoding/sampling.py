@@ -47,6 +47,9 @@ class RowSampler:
     top_k: torch.Tensor        # [R] long, 0 = off
     top_p: torch.Tensor        # [R] float
     generators: list[torch.Generator]
+    # Whether every row is greedy, known on the host when built from params: reading it
+    # from `temperature` is a device synchronisation, several per round otherwise.
+    greedy_rows: bool | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu",
@@ -59,12 +62,13 @@ class RowSampler:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([float(p.top_p) for p in params], device=device),
             generators=gens,
+            greedy_rows=all(p.temperature == 0 for p in params),
         )
 
     def select(self, rows: list[int]) -> "RowSampler":
         idx = torch.tensor(rows, dtype=torch.long, device=self.temperature.device)
         return RowSampler(self.temperature[idx], self.top_k[idx], self.top_p[idx],
-                          [self.generators[r] for r in rows])
+                          [self.generators[r] for r in rows], True if self.greedy_rows else None)
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -72,6 +76,8 @@ class RowSampler:
 
     @property
     def all_greedy(self) -> bool:
+        if self.greedy_rows is not None:
+            return self.greedy_rows
         return bool(self.greedy.all())
 
     def uniform(self, shape_per_row: tuple[int, ...], device: torch.device) -> torch.Tensor:

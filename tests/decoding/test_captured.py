@@ -1,0 +1,202 @@
+"""Captured rounds (decoding/captured.py, models/static_steps.py): the static-shape steps
+give the eager forwards' results, and captured rounds the eager rounds' tokens (greedy,
+every method, ragged rows, rejected drafts rolled back, rows padded to several buckets).
+The static steps run eagerly here (compile=False); one slow test compiles them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.config import SamplingParams
+from blockspec.decoding.captured import CapturedSteps, captured_steps, release_captured, row_bucket
+from blockspec.decoding.generate import generate
+from blockspec.decoding.policy import FullWindow
+from blockspec.decoding.round import DirectContext, Proposal, RoundInputs, prefill, speculative_round
+from blockspec.decoding.sampling import RowSampler
+from blockspec.errors import BlockspecError
+from conftest import make_draft, make_target
+
+PROMPTS = {1: [[5, 9, 2, 7]], 3: [[3, 4, 5], [7, 1, 2, 9, 4, 8, 11, 6], [12, 30]],
+           5: [[3, 4, 5], [7, 1, 2, 9, 4, 8], [12, 30, 2, 2], [8], [21, 22, 23, 24, 25, 26, 27]]}
+
+
+def models(method: str, dtype: torch.dtype = torch.float64):
+    target = make_target(dtype=dtype)
+    if method == "ar":
+        return target, None
+    if method == "dflash":
+        return target, make_draft(target, block_size=4)
+    return target, make_draft(target, layout="deepspec", block_size=4, markov_rank=8, confidence=True)
+
+
+def test_row_buckets():
+    assert [row_bucket(n) for n in (1, 2, 3, 4, 5, 9, 17, 32, 33, 65)] == [1, 2, 4, 4, 8, 16, 32, 32, 64, 96]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_static_steps_equal_the_eager_forwards(rows):
+    """Target verify (with features), draft block and draft context over the full
+    capacity under a length mask equal the eager cached forwards, ragged rows included."""
+    target, draft = models("dflash")
+    prompts = PROMPTS[rows]
+    steps = CapturedSteps(target, draft, compile=False)
+    cache, dcache = steps.new_caches(rows, 64, 72)
+    ref, dref = target.new_cache(rows, 64), draft.new_cache(rows, 72)
+    sampler = RowSampler.from_params([SamplingParams()] * rows)
+    capture = tuple(draft.config.target_layer_ids)
+    with torch.inference_mode():
+        anchors = prefill(target, cache, prompts, sampler, draft, dcache)
+        assert torch.equal(anchors, prefill(target, ref, prompts, sampler, draft, dref))
+        block = torch.full((rows, 4), draft.config.mask_token_id)
+        block[:, 0] = anchors
+        torch.testing.assert_close(steps.block_hidden(draft, block, dcache, target.embed_tokens),
+                                   draft.block_hidden(block, dref, target.embed_tokens))
+        tokens = torch.cat([anchors.unsqueeze(1), torch.randint(0, 60, (rows, 3))], dim=1)
+        logits, features = steps.target_forward(cache, tokens, capture)
+        out = target(tokens, ref, capture=capture)
+        torch.testing.assert_close(logits, out.logits)
+        torch.testing.assert_close(features, out.features)
+        keep = torch.tensor([1, 3, 2][:rows])
+        cache.lengths.add_(keep)          # the static step leaves lengths to the caller
+        ref.truncate(ref.lengths - 4 + keep)
+        steps.append_context(features, keep)
+        draft.append_context(dref, out.features, keep)
+    assert torch.equal(cache.lengths, ref.lengths) and torch.equal(dcache.lengths, dref.lengths)
+    for mine, theirs in ((cache, ref), (dcache, dref)):
+        for r, n in enumerate(theirs.lengths.tolist()):
+            torch.testing.assert_close(mine.k[:, r, :, :n], theirs.k[:, r, :, :n])
+            torch.testing.assert_close(mine.v[:, r, :, :n], theirs.v[:, r, :, :n])
+
+
+class PrefixPolicy:
+    """Rounds that exercise the captured path's ragged cases: the first k < R rows draft
+    (k cycles), a shorter block every third round, rows verifying fewer drafts, an AR round."""
+
+    def __init__(self, window: int) -> None:
+        self.window, self.n = window, 0
+
+    def decide(self, bands) -> tuple[int, int]:
+        rows = len(bands) if not isinstance(bands, int) else bands
+        self.n += 1
+        if self.n % 4 == 0:
+            return 0, 0
+        k = max(1, rows - self.n % 3)
+        return k, self.window if self.n % 3 else max(1, self.window - 1)
+
+    def stop_below(self, rows: int) -> float:
+        return 0.0
+
+    def confidence_map(self):
+        return None
+
+    def plan(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
+        if proposal is None:
+            return None
+        k, g = proposal.tokens.shape
+        lens = torch.zeros(rows, dtype=torch.long)
+        lens[:k] = torch.tensor([g - (i % 2) for i in range(k)]).clamp(min=1)
+        return lens
+
+    def observe(self, outcome, proposal, lens) -> None:
+        pass
+
+    def observe_time(self, rows, outcome, seconds) -> None:
+        pass
+
+
+def run_rounds(target, draft, prompts, policy_factory, captured: CapturedSteps | None, rounds: int,
+               forced: list[int] | None = None) -> list[list[int]]:
+    """Each row's tokens after `rounds` rounds (no row leaves), eager or captured."""
+    rows, g = len(prompts), draft.config.num_drafts if draft is not None else 0
+    width = draft.config.block_size + 1 if draft is not None else 1
+    capacity = max(map(len, prompts)) + rounds * width + width + 1
+    if captured is not None:
+        cache, dcache = captured.new_caches(rows, capacity, capacity + width)
+    else:
+        cache = target.new_cache(rows, capacity)
+        dcache = draft.new_cache(rows, capacity + width) if draft is not None else None
+    sampler = RowSampler.from_params([SamplingParams()] * rows)
+    policy = policy_factory(g)
+    out: list[list[int]] = [[] for _ in prompts]
+    with torch.inference_mode():
+        anchors = prefill(target, cache, prompts, sampler, draft, dcache)
+        context = None
+        if draft is not None:
+            context = captured.context() if captured is not None else DirectContext(draft, dcache)
+        batch = RoundInputs(target, draft, cache, dcache, context, anchors, sampler, captured=captured)
+        for i in range(rounds):
+            f = None if forced is None else torch.full((rows,), forced[i % len(forced)])
+            outcome = speculative_round(batch, policy, forced=f)
+            for r in range(rows):
+                out[r] += outcome.new_tokens(r)
+    return out
+
+
+@pytest.mark.parametrize("method,rows,policy", [
+    ("ar", 1, FullWindow), ("ar", 5, FullWindow),
+    ("dflash", 1, FullWindow), ("dflash", 3, FullWindow), ("dflash", 5, PrefixPolicy),
+    ("dspark", 3, FullWindow), ("dspark", 5, PrefixPolicy)])
+def test_captured_rounds_equal_eager_rounds(method, rows, policy):
+    """Greedy: the same tokens round after round (random drafts: mostly rejected, rolled back),
+    rows padded to their bucket (1, 4, 8), drafting prefixes, shorter blocks and AR rounds."""
+    target, draft = models(method)
+    eager = run_rounds(target, draft, PROMPTS[rows], policy, None, 6)
+    captured = run_rounds(target, draft, PROMPTS[rows], policy, CapturedSteps(target, draft, compile=False), 6)
+    assert captured == eager
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_captured_rounds_commit_long_accepted_runs(method):
+    """Forced acceptance (whole runs committed, then a full rejection): caches and draft
+    context advance and roll back as in the eager round."""
+    target, draft = models(method)
+    forced = [3, 0, 2, 3, 1]
+    eager = run_rounds(target, draft, PROMPTS[3], FullWindow, None, 5, forced)
+    captured = run_rounds(target, draft, PROMPTS[3], FullWindow, CapturedSteps(target, draft, compile=False), 5,
+                          forced)
+    assert captured == eager and all(len(t) == 9 + 5 for t in captured)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_generate_compile_equals_eager_as_rows_finish(method):
+    """generate(compile=True) on the captured runner: rows finish at different lengths (the
+    buffers are compacted in place, bucket 8 -> 4 -> 2 ...) and every row's tokens equal
+    the eager generation's; a second call reuses the runner and its buffers."""
+    target, draft = models(method)
+    prompts = PROMPTS[5]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 17, 9, 3, 12)]
+    eager = generate(target, prompts, params, draft=draft, method=method, adapt=False)
+    runner = captured_steps(target, draft, compile=False)
+    first = generate(target, prompts, params, draft=draft, method=method, compile=True, adapt=False)
+    buffers = runner.cache.k
+    again = generate(target, prompts[1:3], params[1:3], draft=draft, method=method, compile=True, adapt=False)
+    assert captured_steps(target, draft) is runner and runner.cache.k is buffers
+    want = [c.tokens for c in eager.completions]
+    assert [c.tokens for c in first.completions] == want
+    assert [c.tokens for c in again.completions] == want[1:3]
+    release_captured(target)
+    assert "_captured_steps" not in target.__dict__
+
+
+def test_foreign_cache_is_refused():
+    target, draft = models("dflash")
+    steps = CapturedSteps(target, draft, compile=False)
+    steps.new_caches(2, 32, 40)
+    with pytest.raises(BlockspecError, match="own caches"):
+        steps.target_forward(target.new_cache(2, 32), torch.zeros(2, 1, dtype=torch.long))
+
+
+@pytest.mark.slow
+def test_compiled_captured_rounds_equal_eager():
+    """torch.compile (inductor on the CPU) of the static steps: same greedy tokens."""
+    target, draft = models("dflash", torch.float32)
+    prompts = PROMPTS[3]
+    eager = run_rounds(target, draft, prompts, FullWindow, None, 4)
+    steps = CapturedSteps(target, draft, compile=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert run_rounds(target, draft, prompts, FullWindow, steps, 4) == eager
+    # fullgraph: each of the three steps compiled as one graph (a break would have raised)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
+    assert {key[0] for key in steps._steps} == {f"target{tuple(draft.config.target_layer_ids)}", "draft_block",
+                                                "draft_context"}
