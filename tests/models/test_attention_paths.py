@@ -113,6 +113,20 @@ def test_flex_equals_sdpa_with_the_dense_mask(causal: bool) -> None:
     assert _close(got, want)
 
 
+@pytest.mark.slow
+def test_compiled_flex_reads_the_tiles_right() -> None:
+    """The compiled kernel (what CUDA runs) skips mask_mod on full tiles and skips empty
+    ones; inductor's CPU flex template does the same, so it checks the tiles here."""
+    compiled = torch.compile(attention.flex_attention)
+    g = torch.Generator().manual_seed(5)
+    for q_len, causal in ((16, True), (1, True), (4, False)):
+        q, k, v = (torch.randn(4, h, w, 16, generator=g) for h, w in ((4, q_len), (2, 400), (2, 400)))
+        first = torch.tensor([1, 127, 200, 400 - q_len + (1 if causal else q_len)])
+        got = compiled(q, k, v, block_mask=limit_block_mask(first, q_len, 400, causal), enable_gqa=True)
+        want = attention.attend(q, k, v, dense_limit_mask(first, q_len, 400, causal))
+        assert _close(got, want)
+
+
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BLOCKSPEC_ATTENTION", raising=False)
     assert backend_for(torch.device("cpu")) == "sdpa"
