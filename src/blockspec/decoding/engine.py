@@ -28,6 +28,7 @@ from blockspec.decoding.handles import RequestHandle, RequestOutput
 from blockspec.decoding.memory import plan_for_models
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
 from blockspec.decoding.policy import RoundPolicy
+from blockspec.decoding.prefill_chunks import ChunkedPrefill, chunk_size
 from blockspec.decoding.round import RoundInputs, prefill, speculative_round
 from blockspec.decoding.sampling import RowSampler, new_generator
 from blockspec.decoding.slots import SlotPool
@@ -91,15 +92,18 @@ class Engine:
     than this machine's seconds, as in tests).
     calibrate_confidence (scheduled): rescale the confidence head online by the
     verified outcomes (`policy.ConfidenceCalibration`); off, trust the head as
-    shipped (e.g. calibrated offline for this decoding mode)."""
+    shipped (e.g. calibrated offline for this decoding mode). prefill_chunk_tokens: longer prompts are
+    prefilled that many tokens per step (`prefill_chunks`; None: 2048 on CUDA, 512 on CPU)."""
 
     def __init__(self, target: TargetModel, draft: DraftModel | None = None, method: str = "ar",
                  scheduled: bool = False, max_running: int = 32, kv_memory_gb: float | None = None,
                  max_model_len: int | None = None, cost_table: CostTable | None = None,
                  rule: str = "rejection", tokenizer: Detokenizer | None = None,
                  min_survival: float = 0.02, draft_gate: bool | None = None, gate_feedback: bool = True,
-                 calibrate_confidence: bool = True, gpu_memory_utilization: float | None = None) -> None:
+                 calibrate_confidence: bool = True, gpu_memory_utilization: float | None = None,
+                 prefill_chunk_tokens: int | None = None) -> None:
         check_method(method, draft)
+        chunk = chunk_size(prefill_chunk_tokens, target.device)
         if rule not in RULES:
             raise BlockspecError(f"unknown verification rule {rule!r} (choose rejection or match)")
         self.target, self.method, self.rule, self.tokenizer = target, method, rule, tokenizer
@@ -116,6 +120,7 @@ class Engine:
         self.max_model_len = self.plan.max_model_len
         self.slots = SlotPool(target, self.draft, self.plan)
         self.stats = EngineStats(speculative=self.draft is not None)
+        self.chunks = ChunkedPrefill(target, self.draft, self.slots, self.stats, chunk)
         self._lock = threading.Lock()        # queue, cancellations, live requests
         self._step_lock = threading.Lock()   # one step at a time; caches change only under it
         self._wake = threading.Event()
@@ -276,12 +281,13 @@ class Engine:
         self._retire()
 
     def _admit(self) -> None:
-        """Prefill as many waiting requests as there are free slots, in one batch."""
+        """Prefill as many waiting requests as there are free slots, in one batch; a longer prompt
+        than the chunk budget goes a chunk per step (`ChunkedPrefill`), then joins the rounds."""
         with self._lock:
-            free = self.rows - len(self._running)
-            new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            new = self.chunks.admit(self._waiting, self.rows - len(self._running) - self.chunks.rows_held)
             first, last = len(self._running), len(self._running) + len(new)
             self._running.extend(new)
+        self.chunks.step(self._lock, self._waiting, self._running, self._emit)   # joins after `new`
         if not new:
             return
         t0 = time.perf_counter()

@@ -1,0 +1,156 @@
+"""Chunked prefill for the engine: a long prompt cannot stall the running requests.
+
+A prompt longer than `chunk` tokens is not prefilled in one forward at admission:
+it is prefilled `chunk` tokens per engine step, and every step still runs its
+round for the running requests (vLLM's --max-num-batched-tokens with chunked
+prefill, SGLang's --chunked-prefill-size). Each chunk's target features are
+appended to the draft context at once, so the request's draft context is whole
+when it joins. Only when the last chunk has sampled the first token does the
+request join the running rows (and so the rounds).
+
+Bookkeeping, kept out of the engine: at most one prompt is chunk-prefilled at a
+time (the budget is per step, and a first-come-first-served budget would only
+ever advance the oldest prompt anyway). It stays in the engine's waiting queue
+while it is prefilled, so cancellation, shutdown and failure treat it like any
+queued request, and it holds the pool's LAST row, which the running rows
+(always rows 0..R-1) and batch admission never reach while it is held. On
+joining, its rows move to row R (one copy of the prompt's K/V).
+
+Length-dependent RoPE (dynamic NTK, longrope) rotates a prompt by the whole
+prompt's length, which a chunk does not know: those targets prefill whole.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from blockspec.decoding.sampling import RowSampler, sample
+from blockspec.decoding.slots import SlotPool
+from blockspec.decoding.stats import EngineStats
+from blockspec.errors import BlockspecError
+from blockspec.models.draft import DraftModel
+from blockspec.models.target import TargetModel
+
+# Default chunk, in prompt tokens per engine step. CUDA: vLLM's and SGLang's default chunk
+# (2048), where a chunk's GEMMs already run at full throughput. CPU: 512 keeps a step's
+# prefill to ~0.15 s on the shipped 256 x 8 target (0.29 ms per token, no dearer per token
+# than a whole 2048-token prompt at 0.35 ms: chunking costs no throughput).
+DEFAULT_CHUNK = {"cuda": 2048, "cpu": 512}
+
+
+def chunk_size(value: int | None, device: torch.device) -> int:
+    """The chunk budget: `value`, or the device's default; BlockspecError if not a positive int."""
+    if value is None:
+        return DEFAULT_CHUNK.get(device.type, DEFAULT_CHUNK["cuda"])
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise BlockspecError(f"prefill_chunk_tokens must be a positive number of tokens, got {value!r}")
+    return value
+
+
+class ChunkedPrefill:
+    """The one prompt being prefilled a chunk per step (see the module docstring).
+
+    Requests are the engine's (`prompt`, `params`, `generator`, `handle`); only those
+    fields are read."""
+
+    def __init__(self, target: TargetModel, draft: DraftModel | None, slots: SlotPool, stats: EngineStats,
+                 chunk: int) -> None:
+        self.target, self.draft, self.slots, self.stats = target, draft, slots, stats
+        self.chunk = chunk
+        self.row = slots.rows - 1
+        self.req: Any = None      # the request in flight, still in the engine's queue
+        self.done = 0             # its prompt tokens already in the cache
+
+    @property
+    def rows_held(self) -> int:
+        return 0 if self.req is None else 1
+
+    def chunked(self, req: Any) -> bool:
+        """Whether this request's prompt is prefilled in chunks."""
+        return (len(req.prompt) > self.chunk and not self.target.rotary.rope.length_dependent
+                and self.slots.rows > 1)   # one slot: the only row is the running one
+
+    def admit(self, waiting: deque, free: int) -> list[Any]:
+        """Pop, in order, up to `free` short-prompt requests for the batched prefill (returned),
+        and start the first long prompt if none is in flight and a row is free (it stays in
+        `waiting`). Long prompts waiting behind the one in flight keep their place; short
+        ones behind them may overtake them (not whole prompts: that is the point)."""
+        taken: list[Any] = []
+        for req in list(waiting):
+            if len(taken) >= free:
+                break
+            if req is self.req:
+                continue
+            if not self.chunked(req):
+                taken.append(req)
+            elif self.req is None:
+                self._start(req)
+                free -= 1
+        for req in taken:
+            waiting.remove(req)
+        return taken
+
+    def _start(self, req: Any) -> None:
+        self.req, self.done = req, 0
+        self.slots.reset(self.row, self.row + 1)
+        self.stats.admitted(req.handle.times, time.monotonic())
+
+    def advance(self) -> tuple[Any, int] | None:
+        """Prefill the next chunk of the prompt in flight. Returns (request, first token)
+        once its last chunk ran; the caller then moves it with `release`."""
+        req = self.req
+        if req is None:
+            return None
+        if req.handle.done:            # cancelled or failed while queued: free the row
+            self.req = None
+            return None
+        t0 = time.perf_counter()
+        part = req.prompt[self.done:self.done + self.chunk]
+        last = self.done + len(part) == len(req.prompt)
+        dev = self.target.device
+        view, draft_view = self.slots.views(self.row, self.row + 1)
+        capture = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
+        out = self.target(torch.tensor([part], device=dev), view, capture=capture,
+                          logits_at=torch.tensor([[len(part) - 1]], device=dev),
+                          output="logits" if last else "hidden")   # earlier chunks need no lm_head
+        if self.draft is not None:
+            assert draft_view is not None and out.features is not None
+            self.draft.append_context(draft_view, out.features, len(part))
+        self.done += len(part)
+        first = None
+        if last:   # the request's own generator draws its first token, as a whole prefill does
+            sampler = RowSampler.from_params([req.params], dev, [req.generator])
+            first = int(sample(out.logits, sampler)[0][0, 0])
+        self.stats.prefill(len(part), time.perf_counter() - t0)
+        return None if first is None else (req, first)
+
+    def step(self, lock: threading.Lock, waiting: deque, running: list[Any],
+             emit: Callable[[Any, list[int]], None]) -> Any:
+        """`advance`; when the prompt is done, move it from `waiting` to the end of `running`
+        (its row with it) under the engine's `lock`, its first token as its anchor, and
+        `emit(request, [token])` that token. Returns the request that joined, or None."""
+        joined = self.advance()
+        if joined is None:
+            return None
+        req, req.anchor = joined
+        with lock:
+            waiting.remove(req)
+            self.release(len(running))
+            running.append(req)
+        emit(req, [req.anchor])
+        return req
+
+    def release(self, row: int) -> None:
+        """Move the finished prompt's target and draft rows to `row` (the next running row)."""
+        if row != self.row:
+            self.slots.cache.move_rows([self.row], [row])
+            if self.slots.draft_cache is not None:
+                self.slots.draft_cache.move_rows([self.row], [row])
+        if self.slots.pending is not None:   # its context went straight to the draft cache
+            self.slots.pending.clear(row, row + 1)
+        self.req = None
