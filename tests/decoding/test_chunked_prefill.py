@@ -4,7 +4,9 @@ differs from a whole-prompt prefill."""
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from blockspec.decoding.prefill_chunks import DEFAULT_CHUNK, chunk_size
 from blockspec.decoding.round import prefill
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
+from blockspec.serving.server import add_serve_arguments
 from conftest import make_draft, make_target
 
 LONG = [(7 * i + 3) % 60 + 1 for i in range(45)]     # 6 chunks of 8 (the last one 5 tokens)
@@ -135,3 +138,13 @@ def test_default_chunk_by_device() -> None:
     assert chunk_size(None, torch.device("cpu")) == DEFAULT_CHUNK["cpu"] == 512
     assert chunk_size(None, torch.device("cuda")) == DEFAULT_CHUNK["cuda"] == 2048
     assert chunk_size(64, torch.device("cpu")) == 64
+
+
+@pytest.mark.parametrize("flags,want", [([], None), (["--prefill-chunk-tokens", "64"], 64),
+                                        (["--chunked-prefill-size", "256"], 256),
+                                        (["--max-num-batched-tokens", "1024"], 1024),
+                                        (["--chunked-prefill-size", "-1"], sys.maxsize)])
+def test_serve_flag_and_its_sglang_vllm_spellings(flags: list[str], want: int | None) -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args(flags).prefill_chunk_tokens == want

@@ -7,6 +7,9 @@ works (an unsupported flag is named by argparse, exit 2):
 - memory: `--gpu-memory-utilization` / `--mem-fraction-static`, `--kv-memory-gb`,
   `--max-model-len` / `--context-length`, `--max-num-seqs` / `--max-running-requests`
   (= --max-running); the plan is printed at start (decoding/memory.py);
+- prefill: `--prefill-chunk-tokens` / `--chunked-prefill-size` (SGLang; -1: off) /
+  `--max-num-batched-tokens` (vLLM): longer prompts are prefilled that many tokens per
+  step between the running requests' rounds (decoding/prefill_chunks.py);
 - speculation: `--speculative-algorithm`, `--speculative-draft-model-path`,
   `--speculative-dflash-block-size`, `--speculative-dspark-block-size`,
   `--speculative-num-draft-tokens` and
@@ -157,7 +160,8 @@ def build_engine(args: argparse.Namespace):
     engine = Engine(target, draft, spec.method, scheduled=args.scheduled, max_running=args.max_running,
                     kv_memory_gb=args.kv_memory_gb, max_model_len=args.max_model_len, cost_table=table,
                     draft_gate=True if args.draft_gate else None,
-                    tokenizer=tokenizer, gpu_memory_utilization=args.gpu_memory_utilization)
+                    tokenizer=tokenizer, gpu_memory_utilization=args.gpu_memory_utilization,
+                    prefill_chunk_tokens=args.prefill_chunk_tokens)
     log.info("%s", engine.plan.describe())
     return engine, tokenizer, args.served_model_name or args.target or "blockspec"
 
@@ -185,6 +189,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 # -- flags ----------------------------------------------------------------------------------------
 
+def prefill_chunk(text: str) -> int:
+    """--prefill-chunk-tokens: tokens per step (the engine refuses 0 and negatives); SGLang's
+    -1 turns chunking off: no prompt is longer than the largest int."""
+    value = int(text)
+    return sys.maxsize if value == -1 else value
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     p.set_defaults(method=None)  # None: from the aliases, else from the draft, else ar
@@ -210,6 +221,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget in GiB (instead of --gpu-memory-utilization)")
     p.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int, default=None,
                    help="prompt + output positions per request (default: the model's, capped to what fits)")
+    p.add_argument("--prefill-chunk-tokens", "--chunked-prefill-size", "--max-num-batched-tokens",
+                   dest="prefill_chunk_tokens", type=prefill_chunk, default=None,
+                   help="longer prompts are prefilled this many tokens per step, between the running requests' "
+                        "rounds (default 2048 on CUDA, 512 on the CPU; -1: off)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (else 413)")
     p.add_argument("--max-prompt-bytes", type=int, default=None,
