@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
-# Per-round cost of DFlash block speculation on one CUDA GPU: T_draft / T_verify vs
-# one AR step for a random-weight Qwen3-8B-shaped target, at batch 1 and 16, plus the
-# projected speed-up at tau 3.0 and 6.5. Finishes in well under 8 minutes on an H200
-# (hard limit: 480 s).
+# GPU figures of issue 18 in one run (benchmarks/gpu_bench.py): a random-weight
+# Qwen3-8B-shaped target with the 5-layer z-lab DFlash draft and a DSpark draft, bf16,
+# contexts 512 and 4096: AR decode against transformers (static cache + compile), round
+# costs (T_draft, T_verify(16), T_ar at batch 1, 8, 32; projected speedup at tau 6.49
+# and 3), engine throughput vs concurrency with simulated tau 6.5, peak GPU memory.
+# Finishes in under 6 minutes on one H200 (hard limit: 360 s; sections past the
+# script's own budget are skipped and say so).
 #
-#   bash benchmarks/gpu.sh [--batches 1,16] [--context 512] [--iters 20]
+#   bash benchmarks/gpu.sh [--out FILE] [--contexts 512,4096] [--batches 1,8,32] ...
+#   python benchmarks/record.py "GPU: issue 18 figures" -- bash benchmarks/gpu.sh
+#   bash benchmarks/gpu.sh --smoke     # every section on the CPU at tiny shapes (numbers meaningless)
 #
 # Exits with status 2 and one line on stderr where no CUDA GPU is available.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout 480 "${PYTHON:-python}" benchmarks/gpu_bench.py "$@"
+PY="${PYTHON:-python}"
+if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
+smoke=0
+for a in "$@"; do [ "$a" = "--smoke" ] && smoke=1; done
+if [ "$smoke" = 0 ] && ! ls /dev/nvidia[0-9]* >/dev/null 2>&1 && ! command -v nvidia-smi >/dev/null 2>&1; then
+  echo "error: benchmarks/gpu.sh needs a CUDA GPU and none is visible (no /dev/nvidia* device, no nvidia-smi); --smoke rehearses it on the CPU" >&2
+  exit 2
+fi
+exec timeout --kill-after=10 360 "$PY" benchmarks/gpu_bench.py "$@"

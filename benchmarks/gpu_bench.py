@@ -1,35 +1,60 @@
-"""Per-round cost of DFlash block speculation on one CUDA GPU (docs/design.md section 1).
+"""GPU figures of issue 18 in ONE run: blockspec on a random-weight Qwen3-8B-shaped target.
 
-A random-weight Qwen3-8B-shaped target (bf16) and a 5-layer DFlash draft
-(z-lab layout, block 16 = anchor + 15 drafts, target layers [1, 9, 17, 25, 33])
-are built in memory (no checkpoint files). With C tokens of context cached, it
-times, at batch 1 and 16:
+Models (bf16, built in memory, no checkpoint files): the target (36 layers, hidden 4096),
+the 5-layer z-lab DFlash draft (block 16 = anchor + 15 drafts, target layers [1, 9, 17,
+25, 33]) and a DSpark draft of the same backbone (DeepSpec layout, gamma 15: the same
+16-token verify window; vanilla Markov head of rank 64, confidence head reading it).
+Sections, each printed as Markdown as soon as it is measured:
 
-- T_ar:     one AR step            (`round.verify_and_commit`, no drafts)
-- T_draft:  one draft round        (`round.propose`: one block forward + sampling)
-- T_verify: one verify + commit    (`round.verify_and_commit` over anchor + 15 drafts)
+1. AR decode tok/s at batch 1, contexts 512 and 4096: blockspec `generate(compile=True)`
+   (captured rounds: CUDA graphs) against `transformers` generate with its static cache,
+   auto-compiled (sdpa), on the SAME weight tensors (the twin shares them).
+   tok/s = (N - 1) / (t(N new tokens) - t(1 new token)): decode only, prefill cancelled.
+2. Round costs (captured steps) at batch 1, 8, 32 and both contexts: T_ar (one AR
+   step), T_draft (one draft round, DFlash and DSpark), T_verify(16) (verify + commit +
+   draft context), medians of CUDA-event timings; caches filled to the context (kernel
+   times do not depend on the values held). Projected speedup
+   tau * T_ar / (T_draft + T_verify) at tau 6.49 (the DFlash paper's) and 3.
+3. Engine throughput vs concurrency (1, 4, 16, 32) with SIMULATED acceptance
+   (tau 6.5 imposed, NOT lossless) for AR, DFlash and scheduled DSpark (its cost table
+   profiled here; its confidence head set to the constant per-slot acceptance that
+   gives tau 6.5, so the planner sees what the simulation imposes).
+4. Peak GPU memory.
 
-each as the median of CUDA-event timings after warm-up, caches rolled back
-after every call so every sample sees the same context. Random weights accept
-nothing, so the speed-up is projected from the cost model:
-`speedup(tau) = tau * T_ar / (T_draft + T_verify)` at tau 3.0 and 6.5.
+    bash benchmarks/gpu.sh [--contexts 512,4096] [--batches 1,8,32] [--out FILE]
+    python benchmarks/record.py "GPU: issue 18 figures" -- bash benchmarks/gpu.sh
 
-    bash benchmarks/gpu.sh [--batches 1,16] [--context 512] [--iters 20]
-
-Exits with status 2 and one line on stderr when no CUDA GPU is available.
-`--smoke` runs tiny shapes on the CPU to test this script (numbers meaningless).
+The Markdown goes to stdout (what record.py appends to docs/results.md) and to --out;
+progress goes to stderr. Sections past --budget-s seconds are skipped, and say so.
+Exits with status 2 and one line on stderr when no CUDA GPU is available. `--smoke`
+runs tiny shapes on the CPU through every section (numbers meaningless).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
-import shutil
+import math
+import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Iterator
+
+import torch
+
+from blockspec.bench.arms import accept_pattern
+from blockspec.config import DraftConfig, SamplingParams, TargetConfig
+from blockspec.decoding.captured import CapturedSteps, release_captured
+from blockspec.decoding.cost_table import profile_cost_table
+from blockspec.decoding.engine import Engine
+from blockspec.decoding.generate import generate
+from blockspec.decoding.round import propose, verify_and_commit
+from blockspec.decoding.sampling import RowSampler
+from blockspec.models.draft import DraftModel
+from blockspec.models.layers import rope_inv_freq
+from blockspec.models.target import TargetModel
 
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -41,34 +66,58 @@ DFLASH_8B = dict(architectures=["DFlashDraftModel"], model_type="qwen3", block_s
                  num_target_layers=36, num_hidden_layers=5, hidden_size=4096, intermediate_size=12288,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                  rope_theta=1_000_000.0, max_position_embeddings=40960, vocab_size=151936)
-SMOKE_TARGET = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=511)
-SMOKE_DRAFT = dict(DFLASH_8B, block_size=8, dflash_config={"mask_token_id": 510, "target_layer_ids": [1, 3]},
-                   num_target_layers=6, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
-TAUS = (3.0, 6.5)
+# A DeepSpec-layout DSpark draft on the same backbone (section 6: heads at top level, block = gamma).
+DSPARK_8B = dict({k: v for k, v in DFLASH_8B.items() if k != "dflash_config"}, architectures=["Qwen3DSparkModel"],
+                 block_size=15, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33], markov_rank=64,
+                 markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True)
+SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16)
+SMOKE_TARGET = dict(QWEN3_8B, **SMOKE, num_hidden_layers=6, eos_token_id=511)
+SMOKE_DFLASH = dict(DFLASH_8B, **SMOKE, block_size=8, dflash_config={"mask_token_id": 510, "target_layer_ids": [1, 3]},
+                    num_target_layers=6, num_hidden_layers=1)
+SMOKE_DSPARK = dict(DSPARK_8B, **SMOKE, block_size=7, mask_token_id=510, target_layer_ids=[1, 3],
+                    num_target_layers=6, num_hidden_layers=1, markov_rank=8)
+TAUS = (6.49, 3.0)
+SIM_TAU = 6.5
+DEFAULTS = dict(contexts="512,4096", batches="1,8,32", concurrency="1,4,16,32", new_tokens=128, warmup=3, iters=10)
+SMOKE_DEFAULTS = dict(contexts="32,96", batches="1,4", concurrency="1,4", new_tokens=12, warmup=1, iters=2)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
-    ap.add_argument("--context", type=int, default=512, help="cached tokens per row before the timed round")
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median)")
+    ap.add_argument("--contexts", help="cached tokens per row (comma list; default 512,4096)")
+    ap.add_argument("--batches", help="round-cost batch sizes (comma list; default 1,8,32)")
+    ap.add_argument("--concurrency", help="engine concurrency levels (comma list; default 1,4,16,32)")
+    ap.add_argument("--new-tokens", type=int, help="AR decode and engine: new tokens per request (default 128)")
+    ap.add_argument("--warmup", type=int, help="untimed calls before each measurement (default 3)")
+    ap.add_argument("--iters", type=int, help="timed calls per measurement, median (default 10)")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="skip what would start after this many seconds")
+    ap.add_argument("--out", default=None, help="also write the Markdown here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: tests this script only")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # --smoke rehearses every section in seconds: smaller defaults for what was not given.
+    defaults = SMOKE_DEFAULTS if args.smoke else DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
-def nvidia_visible() -> bool:
-    """Cheap pre-check: a CUDA GPU needs the driver's device nodes (containers included)."""
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+def int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SystemExit(f"error: {name} must be comma-separated integers >= 1, got {text!r}")
+    return values
 
+
+# -- models -------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def default_dtype(dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Build parameters directly in bf16: an fp32 detour would need 32 GB for the 8B target."""
-    import torch
-
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -77,12 +126,8 @@ def default_dtype(dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def random_init(model, device, dtype):
+def random_init(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """Materialise a meta-device model on `device` with N(0, 0.02) matrices and unit norms."""
-    import torch
-
-    from blockspec.models.layers import rope_inv_freq
-
     model = model.to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
@@ -96,30 +141,42 @@ def random_init(model, device, dtype):
     return model
 
 
-def build_models(smoke: bool, device, dtype):
-    import torch
+def simulated_acceptance(num_drafts: int, tau: float) -> float:
+    """The per-slot acceptance p with 1 + p + p^2 + ... + p^g = tau (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        p = (lo + hi) / 2
+        lo, hi = (p, hi) if 1 + sum(p ** k for k in range(1, num_drafts + 1)) < tau else (lo, p)
+    return (lo + hi) / 2
 
-    from blockspec.config import DraftConfig, TargetConfig
-    from blockspec.models.draft import DraftModel
-    from blockspec.models.target import TargetModel
 
+def build_models(smoke: bool, device: torch.device, dtype: torch.dtype
+                 ) -> tuple[TargetModel, DraftModel, DraftModel]:
     tcfg = TargetConfig.from_dict(SMOKE_TARGET if smoke else QWEN3_8B)
-    dcfg = DraftConfig.from_dict(SMOKE_DRAFT if smoke else DFLASH_8B)
-    dcfg.check_target(tcfg)
+    dflash_cfg = DraftConfig.from_dict(SMOKE_DFLASH if smoke else DFLASH_8B)
+    dspark_cfg = DraftConfig.from_dict(SMOKE_DSPARK if smoke else DSPARK_8B)
+    for cfg in (dflash_cfg, dspark_cfg):
+        cfg.check_target(tcfg)
     with default_dtype(dtype), torch.device("meta"):
-        target, draft = TargetModel(tcfg), DraftModel(dcfg)
-    return random_init(target, device, dtype), random_init(draft, device, dtype)
+        target, dflash, dspark = TargetModel(tcfg), DraftModel(dflash_cfg), DraftModel(dspark_cfg)
+    target, dflash, dspark = (random_init(m, device, dtype) for m in (target, dflash, dspark))
+    # A constant confidence: survival p^k, the simulated tau's own curve (section 3 of the docstring).
+    p = simulated_acceptance(dspark_cfg.num_drafts, SIM_TAU)
+    with torch.no_grad():
+        dspark.confidence_head.proj.weight.zero_()
+        dspark.confidence_head.proj.bias.fill_(math.log(p / (1 - p)))
+    return target, dflash, dspark
 
+
+# -- timing -------------------------------------------------------------------------
 
 class Timer:
     """Median seconds of `fn` after warm-up; CUDA events on the GPU, perf_counter on the CPU."""
 
-    def __init__(self, device, warmup: int, iters: int) -> None:
+    def __init__(self, device: torch.device, warmup: int, iters: int) -> None:
         self.device, self.warmup, self.iters = device, warmup, iters
 
-    def _once(self, fn: Callable[[], object]) -> float:
-        import torch
-
+    def once(self, fn: Callable[[], object]) -> float:
         if self.device.type != "cuda":
             t0 = time.perf_counter()
             fn()
@@ -132,118 +189,278 @@ class Timer:
         torch.cuda.synchronize(self.device)
         return start.elapsed_time(end) / 1e3
 
-    def median(self, fn: Callable[[], object], reset: Callable[[], None]) -> float:
+    def median(self, fn: Callable[[], object], reset: Callable[[], None] = lambda: None) -> float:
         samples = []
         for i in range(self.warmup + self.iters):
-            t = self._once(fn)
+            t = self.once(fn)
             reset()
             if i >= self.warmup:
                 samples.append(t)
         return statistics.median(samples)
 
 
-def measure_batch(target, draft, batch: int, context: int, timer: Timer) -> dict[str, float]:
-    """T_ar, T_draft, T_verify (seconds) at `batch` rows of `context` cached tokens."""
-    import torch
+class Report:
+    """Markdown lines to stdout (and --out) as each section finishes; progress to stderr."""
 
-    from blockspec.config import SamplingParams
-    from blockspec.decoding.sampling import RowSampler
-    from blockspec.decoding.round import prefill, propose, verify_and_commit
+    def __init__(self, out: str | None, budget_s: float) -> None:
+        self.out, self.budget_s, self.t0 = out, budget_s, time.perf_counter()
+        self.lines: list[str] = []
 
-    device = target.device
-    width = draft.config.block_size + 1
-    gen = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(0, target.config.vocab_size, (batch, context), generator=gen).tolist()
-    cache = target.new_cache(batch, context + width + 1)
-    draft_cache = draft.new_cache(batch, context + 2 * width + 1)
-    sampler = RowSampler.from_params([SamplingParams(seed=r) for r in range(batch)], device)  # greedy
-    with torch.inference_mode():
-        anchors = prefill(target, cache, prompts, sampler, draft, draft_cache)
-        base, draft_base = cache.lengths.clone(), draft_cache.lengths.clone()
+    def emit(self, *lines: str) -> None:
+        for line in lines:
+            print(line, flush=True)
+        self.lines += lines
+        if self.out:
+            Path(self.out).write_text("\n".join(self.lines) + "\n")
 
-        def rollback() -> None:  # every sample starts from the same cached context
-            cache.truncate(base)
-            draft_cache.truncate(draft_base)
+    def progress(self, what: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {what}", file=sys.stderr, flush=True)
 
-        proposal = propose(draft, target, draft_cache, anchors, sampler)
-        capture = tuple(draft.config.target_layer_ids)
+    def time_left(self) -> bool:
+        return time.perf_counter() - self.t0 < self.budget_s
 
-        def verify() -> None:  # verify, commit, and the accepted tokens' features into the draft context
-            verdict, features = verify_and_commit(target, cache, anchors, proposal, sampler, capture=capture)
-            draft.append_context(draft_cache, features, verdict.accepted + 1)
 
-        out = {
-            "ar": timer.median(lambda: verify_and_commit(target, cache, anchors, None, sampler), rollback),
-            "draft": timer.median(lambda: propose(draft, target, draft_cache, anchors, sampler), rollback),
-            "verify": timer.median(verify, rollback),
-        }
-    del cache, draft_cache
+def peak_memory(device: torch.device) -> str:
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB (CPU: peak resident memory)"
+
+
+# -- 1. AR decode against transformers ----------------------------------------------
+
+def transformers_twin(target: TargetModel, raw: dict):
+    """transformers' Qwen3ForCausalLM over the SAME weight tensors as `target` (no copy), sdpa."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM   # optional extra: only this section needs it
+
+    cfg = Qwen3Config(**{k: v for k, v in raw.items() if k != "model_type"}, attn_implementation="sdpa")
+    with default_dtype(target.dtype), torch.device("meta"):
+        hf = Qwen3ForCausalLM(cfg)
+    state = {(n if n == "lm_head.weight" else f"model.{n}"): t for n, t in target.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+    if unexpected or missing:
+        raise RuntimeError(f"transformers twin: missing {missing}, unexpected {unexpected}")
+    # Its non-persistent RoPE buffer is still on the meta device: rebuild it where the weights are.
+    with torch.device(target.device):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(cfg)
+    hf.generation_config.pad_token_id = cfg.eos_token_id
+    return hf.eval().requires_grad_(False)
+
+
+def decode_rate(run: Callable[[int], list[int]], new_tokens: int, timer: Timer, repeats: int
+                ) -> tuple[float, list[int]]:
+    """Decode tok/s = (N - 1) / (t(N) - t(1)) (t(1) is the prefill and its first token), medians of
+    `repeats` after one warm-up each (compilation, graph capture); also the N tokens."""
+    tokens = run(new_tokens)
+    run(1)
+    full = statistics.median(timer.once(lambda: run(new_tokens)) for _ in range(repeats))
+    prefill = statistics.median(timer.once(lambda: run(1)) for _ in range(repeats))
+    return (new_tokens - 1) / max(full - prefill, 1e-9), tokens
+
+
+def ar_section(target: TargetModel, raw: dict, contexts: list[int], new_tokens: int, timer: Timer,
+               smoke: bool, report: Report) -> None:
+    report.emit("", "**AR decode at batch 1** (greedy; blockspec `generate(compile=True)`: captured rounds; "
+                "transformers `generate`, static cache, auto-compiled, sdpa; same weight tensors; both attend "
+                "over the same static cache length)", "",
+                "| context | blockspec tok/s | transformers tok/s | blockspec / transformers | same tokens as "
+                "transformers for the first |", "|---|---|---|---|---|")
+    hf = transformers_twin(target, raw)
+    gen = torch.Generator().manual_seed(0)
+    repeats = 1 if smoke else 3
+    for context in contexts:
+        if not report.time_left():
+            report.emit(f"| {context} | skipped: time budget | | | |")
+            continue
+        report.progress(f"AR decode, context {context}")
+        prompt = torch.randint(0, target.config.vocab_size, (context,), generator=gen).tolist()
+        # The static length blockspec's captured AR round uses (a power of two), given to transformers too.
+        cache_len = max(256, 1 << (context + new_tokens + 2 - 1).bit_length())
+        ids = torch.tensor([prompt], device=target.device)
+
+        def ours(n: int) -> list[int]:
+            out = generate(target, [prompt], SamplingParams(max_new_tokens=n, ignore_eos=True), compile=not smoke)
+            return out.completions[0].tokens
+
+        def theirs(n: int) -> list[int]:
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              cache_implementation="static", max_cache_len=cache_len)
+            return out[0, context:].tolist()
+
+        ours_rate, ours_tokens = decode_rate(ours, new_tokens, timer, repeats)
+        theirs_rate, theirs_tokens = decode_rate(theirs, new_tokens, timer, repeats)
+        same = next((i for i, (a, b) in enumerate(zip(ours_tokens, theirs_tokens)) if a != b), len(ours_tokens))
+        report.emit(f"| {context} | {ours_rate:.1f} | {theirs_rate:.1f} | {ours_rate / theirs_rate:.2f}x | "
+                    f"{same} of {new_tokens} tokens |")
+    release_captured(target)
+    del hf
+
+
+# -- 2. round costs -----------------------------------------------------------------
+
+def round_costs(target: TargetModel, drafts: dict[str, DraftModel], context: int, batches: list[int],
+                timer: Timer, smoke: bool) -> dict[int, dict[str, float]]:
+    """{batch: {"ar", "verify", "draft <name>": seconds}} with the captured steps."""
+    width = max(d.config.block_size for d in drafts.values()) + 1
+    cap = -(-(context + 2 * width + 1) // 256) * 256
+    top = max(batches)
+    runners = {name: CapturedSteps(target, d, compile=not smoke) for name, d in drafts.items()}
+    first = next(iter(drafts))
+    # The first draft's runner holds the target buffers; the others only their draft's.
+    views = {name: r.new_caches(top, cap if name == first else 1, cap + width) for name, r in runners.items()}
+    for cache, dcache in views.values():
+        cache.lengths.fill_(context)      # kernel times do not depend on the values cached
+        dcache.lengths.fill_(context)
+    steps, (tcache, _) = runners[first], views[first]
+    capture = tuple(drafts[first].config.target_layer_ids)
+    out = {}
+    for b in batches:
+        sampler = RowSampler.from_params([SamplingParams()] * b, target.device)
+        anchors = torch.randint(0, target.config.vocab_size, (b,), device=target.device)
+        tview = tcache.slice_rows(0, b)
+        dviews = {name: views[name][1].slice_rows(0, b) for name in drafts}
+        t_len = tview.lengths.clone()
+        d_lens = {name: v.lengths.clone() for name, v in dviews.items()}
+
+        def reset() -> None:   # every sample starts from the same cached context
+            tview.lengths.copy_(t_len)
+            for name, v in dviews.items():
+                v.lengths.copy_(d_lens[name])
+
+        t = {"ar": timer.median(lambda: verify_and_commit(target, tview, anchors, None, sampler, captured=steps),
+                                reset)}
+        for name, d in drafts.items():
+            t[f"draft {name}"] = timer.median(
+                lambda d=d, name=name: propose(d, target, dviews[name], anchors, sampler, captured=runners[name]),
+                reset)
+        proposal = propose(drafts[first], target, dviews[first], anchors, sampler, captured=steps)
+
+        def verify() -> None:   # verify, commit, and the kept tokens' features into the draft context
+            verdict, features = verify_and_commit(target, tview, anchors, proposal, sampler, capture=capture,
+                                                  captured=steps)
+            steps.append_context(features, verdict.accepted + 1)
+
+        t["verify"] = timer.median(verify, reset)
+        out[b] = t
     return out
 
 
-def projected(tau: float, t: dict[str, float]) -> float:
-    """docs/design.md section 1: per-token latency (T_draft + T_verify) / tau against T_ar."""
-    return tau * t["ar"] / (t["draft"] + t["verify"])
+def round_section(target: TargetModel, drafts: dict[str, DraftModel], contexts: list[int], batches: list[int],
+                  timer: Timer, smoke: bool, report: Report) -> None:
+    names = list(drafts)
+    g = drafts[names[0]].config.num_drafts
+    head = ["context", "batch", "T_ar ms", f"T_verify({g + 1}) ms"] + [f"T_draft {n} ms" for n in names]
+    head += [f"{n} (T_draft + T_verify) / T_ar" for n in names]
+    head += [f"{n} speedup @ tau {tau}" for n in names for tau in TAUS]
+    report.emit("", f"**Round costs, captured steps** (greedy; verify window {g + 1} = anchor + {g} drafts; "
+                "T_verify includes the commit and the draft context; speedup(tau) = tau * T_ar / "
+                "(T_draft + T_verify), tau counting the bonus token)", "",
+                "| " + " | ".join(head) + " |", "|---" * len(head) + "|")
+    for context in contexts:
+        if not report.time_left():
+            report.emit(f"| {context} | skipped: time budget |" + " |" * (len(head) - 2))
+            continue
+        report.progress(f"round costs, context {context}")
+        for b, t in round_costs(target, drafts, context, batches, timer, smoke).items():
+            cells = [str(context), str(b), f"{t['ar'] * 1e3:.2f}", f"{t['verify'] * 1e3:.2f}"]
+            cells += [f"{t[f'draft {n}'] * 1e3:.2f}" for n in names]
+            cells += [f"{(t[f'draft {n}'] + t['verify']) / t['ar']:.2f}" for n in names]
+            cells += [f"{tau * t['ar'] / (t[f'draft {n}'] + t['verify']):.2f}x" for n in names for tau in TAUS]
+            report.emit("| " + " | ".join(cells) + " |")
+        if target.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
-def projection_cell(tau: float, t: dict[str, float], max_tau: int) -> str:
-    return f"{projected(tau, t):.2f}x" if tau <= max_tau else "n/a (> max tau)"
+# -- 3. engine throughput with simulated acceptance ---------------------------------
+
+def run_engine(target: TargetModel, draft: DraftModel | None, method: str, prompts: list[list[int]], conc: int,
+               new_tokens: int, table=None) -> tuple[float, float]:
+    """(generated tok/s, tau) of one engine over `prompts`, acceptance forced to SIM_TAU."""
+    engine = Engine(target, draft, method=method, scheduled=table is not None, cost_table=table, max_running=conc,
+                    max_model_len=max(map(len, prompts)) + new_tokens + 64, adapt=False)
+    if draft is not None:
+        pattern = accept_pattern(SIM_TAU, draft.config.num_drafts)
+        engine.forced_acceptance = lambda rows: torch.full((rows,), next(pattern), dtype=torch.long,
+                                                           device=target.device)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    for p in prompts:
+        engine.submit(p, params)
+    engine.run_until_done()
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    m = engine.metrics()
+    return m["generated_tokens"] / elapsed, m["tau"]
 
 
-def report(rows: list[tuple[int, dict[str, float]]], header: str, draft_cfg) -> str:
-    """Markdown table of the measured terms and the cost-model projections."""
-    g = draft_cfg.num_drafts
-    lines = [header, "",
-             "| batch | T_ar ms | T_draft ms | T_verify ms | round / T_ar | "
-             + " | ".join(f"speedup @ tau {tau}" for tau in TAUS) + " |",
-             "|---|---|---|---|---|" + "---|" * len(TAUS)]
-    for batch, t in rows:
-        ratio = (t["draft"] + t["verify"]) / t["ar"]
-        cells = [f"{batch}", f"{t['ar'] * 1e3:.2f}", f"{t['draft'] * 1e3:.2f}", f"{t['verify'] * 1e3:.2f}",
-                 f"{ratio:.2f}"] + [projection_cell(tau, t, g + 1) for tau in TAUS]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "speedup(tau) = tau * T_ar / (T_draft + T_verify); tau includes the bonus token "
-                  f"({draft_cfg.layout} block {draft_cfg.block_size}: {g} drafts, max tau {g + 1})."]
-    return "\n".join(lines)
+def engine_section(target: TargetModel, dflash: DraftModel, dspark: DraftModel, concurrency: list[int],
+                   new_tokens: int, prompt_len: int, smoke: bool, report: Report) -> None:
+    report.progress("engine: profiling the cost table of scheduled DSpark")
+    ns = [1, 2, 4, 8] if smoke else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    table = profile_cost_table(target, ns, repeats=1 if smoke else 3, rows=min(16, max(ns)), context=prompt_len,
+                               capture=tuple(dspark.config.target_layer_ids), draft=dspark,
+                               draft_rows=[1, 2] if smoke else [1, 4, 16, 32])
+    arms = {"AR": (None, "ar", None), "DFlash": (dflash, "dflash", None), "DSpark scheduled": (dspark, "dspark", table)}
+    report.emit("", f"**Engine throughput with SIMULATED acceptance** (tau {SIM_TAU} imposed: NOT lossless; "
+                f"prompts of {prompt_len} random tokens, {new_tokens} new tokens each, max(2, 2 x concurrency) "
+                "requests; continuous batching, packed verify; tok/s (tau))", "",
+                "| concurrency | " + " | ".join(arms) + " | DFlash / AR | DSpark scheduled / AR |",
+                "|---" * (len(arms) + 3) + "|")
+    gen = torch.Generator().manual_seed(1)
+    vocab = target.config.vocab_size
+    warm = torch.randint(0, vocab, (2, prompt_len), generator=gen).tolist()
+    for draft, method, tab in arms.values():   # lazy initialisations (kernels, compiled attention) untimed
+        run_engine(target, draft, method, warm, 2, 4, tab)
+    for conc in concurrency:
+        if not report.time_left():
+            report.emit(f"| {conc} | skipped: time budget |" + " |" * (len(arms) + 1))
+            continue
+        report.progress(f"engine, concurrency {conc}")
+        prompts = torch.randint(0, vocab, (max(2, 2 * conc), prompt_len), generator=gen).tolist()
+        cells = {name: run_engine(target, d, m, prompts, conc, new_tokens, tab) for name, (d, m, tab) in arms.items()}
+        ar = cells["AR"][0]
+        row = [f"{cells['AR'][0]:.1f}"] + [f"{tps:.1f} ({tau:.2f})" for name, (tps, tau) in cells.items()
+                                            if name != "AR"]
+        row += [f"{cells['DFlash'][0] / ar:.2f}x", f"{cells['DSpark scheduled'][0] / ar:.2f}x"]
+        report.emit(f"| {conc} | " + " | ".join(row) + " |")
 
+
+# -- main ---------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    except ValueError:
-        print(f"error: --batches must be comma-separated integers, got {args.batches!r}", file=sys.stderr)
+    contexts, batches = int_list(args.contexts, "--contexts"), int_list(args.batches, "--batches")
+    concurrency = int_list(args.concurrency, "--concurrency")
+    if args.new_tokens < 2 or args.iters < 1 or args.warmup < 0:
+        print("error: --new-tokens must be >= 2, --iters >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
-    if not batches or min(batches) < 1 or args.context < 1 or args.iters < 1 or args.warmup < 0:
-        print("error: batches, --context and --iters must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return 2
-    if not args.smoke and not nvidia_visible():  # say so before a slow torch import
-        print("error: gpu_bench needs a CUDA GPU, and none is visible (no /dev/nvidia* device, no nvidia-smi)",
-              file=sys.stderr)
-        return 2
-    import torch
-
     if not args.smoke and not torch.cuda.is_available():
-        print("error: gpu_bench needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)",
-              file=sys.stderr)
+        print("error: gpu_bench needs a CUDA GPU and torch sees none (torch.cuda.is_available() is False); "
+              "--smoke rehearses it on the CPU", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
+    report = Report(args.out, args.budget_s)
+    report.progress("building the models")
     t0 = time.perf_counter()
-    target, draft = build_models(args.smoke, device, dtype)
+    target, dflash, dspark = build_models(args.smoke, device, dtype)
     built = time.perf_counter() - t0
+    weights_gib = sum(p.numel() * p.element_size() for m in (target, dflash, dspark) for p in m.parameters()) / 2**30
     timer = Timer(device, args.warmup, args.iters)
-    rows = [(b, measure_batch(target, draft, b, args.context, timer)) for b in batches]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (--smoke: numbers meaningless)"
-    tc, dc = target.config, draft.config
-    header = (f"{name}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}; target "
-              f"{tc.num_hidden_layers} layers hidden {tc.hidden_size} vocab {tc.vocab_size} (random weights, "
-              f"built in {built:.1f}s); DFlash draft {dc.num_hidden_layers} layers, block {dc.block_size} "
-              f"({dc.layout}), ids {dc.target_layer_ids}; context {args.context}; median of {args.iters} "
-              f"after {args.warmup} warm-up")
-    print(report(rows, header, dc))
+    tc = target.config
+    report.emit(f"{name}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}; random weights (built in "
+                f"{built:.1f}s, {weights_gib:.1f} GiB): target {tc.num_hidden_layers} layers, hidden {tc.hidden_size}, "
+                f"vocab {tc.vocab_size}; DFlash draft {dflash.config.num_hidden_layers} layers, z-lab block "
+                f"{dflash.config.block_size}; DSpark draft {dspark.config.num_hidden_layers} layers, gamma "
+                f"{dspark.config.block_size}, Markov rank {dspark.config.markov_rank}; timings: median of "
+                f"{args.iters} after {args.warmup} warm-up")
+    ar_section(target, SMOKE_TARGET if args.smoke else QWEN3_8B, contexts, args.new_tokens, timer, args.smoke,
+               report)
+    round_section(target, {"DFlash": dflash, "DSpark": dspark}, contexts, batches, timer, args.smoke, report)
+    engine_section(target, dflash, dspark, concurrency, args.new_tokens, min(contexts), args.smoke, report)
+    report.emit("", f"peak memory: {peak_memory(device)} (weights {weights_gib:.1f} GiB); "
+                f"total {time.perf_counter() - report.t0:.0f}s")
     return 0
 
 

@@ -179,6 +179,17 @@ def test_generate_compile_equals_eager_as_rows_finish(method):
     assert "_captured_steps" not in target.__dict__
 
 
+def test_modes():
+    """compile=False is eager whatever the mode; CUDA graphs need CUDA; the CPU compiles with inductor."""
+    target, draft = models("dflash")
+    assert CapturedSteps(target, draft, compile=False, mode="graphs").mode == "eager"
+    assert CapturedSteps(target, draft).mode == "compile" and not CapturedSteps(target, draft).cuda_graphs
+    with pytest.raises(BlockspecError, match="CUDA only"):
+        CapturedSteps(target, draft, mode="graphs")
+    with pytest.raises(BlockspecError, match="captured mode"):
+        CapturedSteps(target, draft, mode="fast")
+
+
 def test_foreign_cache_is_refused():
     target, draft = models("dflash")
     steps = CapturedSteps(target, draft, compile=False)

@@ -36,6 +36,7 @@ from blockspec.models.kv_cache import KVCache
 from blockspec.models.target import TargetModel
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+MODES = ("eager", "compile", "graphs")
 
 
 def row_bucket(rows: int) -> int:
@@ -54,18 +55,29 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class CapturedSteps:
-    """Static-shape (optionally compiled) target and draft steps over buffers it owns.
+    """Static-shape target and draft steps over buffers it owns, run as `mode` says:
 
-    compile: True = torch.compile (CUDA graphs on CUDA, inductor on CPU); False = run the
-    static steps eagerly (same shapes and results, no compilation)."""
+    - "graphs" (the CUDA default): each (step, bucket, width) is captured once into a
+      `torch.cuda.CUDAGraph` from the eager static code (one warm-up run, then capture:
+      well under a second for an 8B target, where compiling takes minutes) and replayed;
+    - "compile": `torch.compile` of the static code (mode="reduce-overhead", i.e. CUDA
+      graphs of inductor kernels, on CUDA; plain inductor elsewhere: the CPU default);
+    - "eager": the static code as is (tests; same shapes and results).
+    compile=False forces "eager"."""
 
-    def __init__(self, target: TargetModel, draft: DraftModel | None = None, *, compile: bool = True) -> None:
-        self.target, self.draft, self.compile = target, draft, compile
-        self.cuda_graphs = compile and target.device.type == "cuda"
+    def __init__(self, target: TargetModel, draft: DraftModel | None = None, *, compile: bool = True,
+                 mode: str | None = None) -> None:
+        cuda = target.device.type == "cuda"
+        mode = "eager" if not compile else mode or ("graphs" if cuda else "compile")
+        if mode not in MODES or (mode == "graphs" and not cuda):
+            raise BlockspecError(f"captured mode must be one of {', '.join(MODES)} (graphs: CUDA only), got {mode!r}")
+        self.target, self.draft, self.compile, self.mode = target, draft, compile, mode
+        self.cuda_graphs = cuda and mode != "eager"
         self.cache: KVCache | None = None          # the target's buffers (rows >= every batch using them)
         self.draft_cache: KVCache | None = None
         self._steps: dict[tuple, Callable] = {}
-        if compile:
+        self._pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None   # shared by every graph
+        if mode == "compile":
             # One compiled specialisation per (step, bucket, width): more than dynamo's default
             # of 8 per code object (then it would silently fall back to eager).
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -77,13 +89,15 @@ class CapturedSteps:
         """Row views (`rows` rows, lengths zero) of the target and draft buffers, which are
         reused when they hold the rows' bucket at this capacity and reallocated otherwise."""
         need = row_bucket(rows)
-        cache = self.cache
+        cache, dc = self.cache, self.draft_cache
         if cache is None or cache.rows < need or cache.capacity != capacity:
+            self.cache = None   # (freed before the new one is allocated)
             self.cache = self._static(self.target.new_cache(need, capacity))
-        if self.draft is not None:
-            dc = self.draft_cache
-            if dc is None or dc.rows < need or dc.capacity != draft_capacity:
-                self.draft_cache = self._static(self.draft.new_cache(need, draft_capacity))
+        if self.draft is not None and (dc is None or dc.rows < need or dc.capacity != draft_capacity):
+            self.draft_cache = None
+            self.draft_cache = self._static(self.draft.new_cache(need, draft_capacity))
+        if self.cache is not cache or self.draft_cache is not dc:
+            self._steps.clear()   # recorded graphs (and step closures) address the old buffers
         for c in (self.cache, self.draft_cache):
             if c is not None:
                 c.reset()
@@ -91,7 +105,7 @@ class CapturedSteps:
                                                 if self.draft_cache is not None else None)
 
     def _static(self, cache: KVCache) -> KVCache:
-        if self.cuda_graphs:
+        if self.mode == "compile" and self.cuda_graphs:
             # CUDA graphs may mutate an input in place only at an address fixed for the graph's life.
             for t in (cache.k, cache.v, cache.lengths):
                 torch._dynamo.mark_static_address(t, guard=False)
@@ -130,23 +144,47 @@ class CapturedSteps:
         return base
 
     # -- steps ----------------------------------------------------------------------
-    def _step(self, name: str, fn: Callable, rows: int, width: int) -> Callable:
-        key = (name, rows, width)
+    def _run(self, name: str, fn: Callable, width: int, module: nn.Module, x: torch.Tensor, base: KVCache,
+             *extra) -> object:
+        """fn(module, x, base, *extra) for x [bucket, width, ...], as this runner's mode says."""
+        key = (name, x.shape[0], width)
         step = self._steps.get(key)
         if step is None:
-            if not self.compile:
-                step = fn
-            elif self.cuda_graphs:
-                step = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            if self.mode == "graphs":
+                step = self._capture(fn, module, x, base, extra)
+            elif self.mode == "compile":
+                opts = dict(mode="reduce-overhead") if self.cuda_graphs else {}
+                compiled = torch.compile(fn, fullgraph=True, dynamic=False, **opts)
+                step = lambda x_, c=compiled: c(module, x_, base, *extra)   # noqa: E731
             else:
-                step = torch.compile(fn, fullgraph=True, dynamic=False)
+                step = lambda x_: fn(module, x_, base, *extra)   # noqa: E731
             self._steps[key] = step
-        return step
-
-    def _mark_step(self) -> None:
-        if self.cuda_graphs:
+        if self.mode == "compile" and self.cuda_graphs:
             # The previous step's graph outputs have been consumed: their memory may be reused.
             torch.compiler.cudagraph_mark_step_begin()
+        return step(x)
+
+    def _capture(self, fn: Callable, module: nn.Module, example: torch.Tensor, base: KVCache,
+                 extra: tuple) -> Callable:
+        """A CUDA graph of fn over a static copy of `example`: replaying copies the new input
+        in and returns the graph's own output tensors (overwritten by its next replay, so a
+        round consumes them before it runs the same step again). Warm-up and capture write
+        K/V only into slots past every row's length, which hold nothing committed."""
+        static_in = example.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # lazy inits (RoPE tables, cuBLAS workspaces) outside the capture
+            fn(module, static_in, base, *extra)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static_out = fn(module, static_in, base, *extra)
+
+        def replay(x: torch.Tensor) -> object:
+            static_in.copy_(x)
+            graph.replay()
+            return static_out
+        return replay
 
     def target_forward(self, cache: KVCache, tokens: torch.Tensor, capture: tuple[int, ...] = ()
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -154,30 +192,27 @@ class CapturedSteps:
         the caller commits) -> logits [R, W, V], features [R, W, F] or None."""
         base = self._base(cache, self.cache)
         r, w = tokens.shape
-        b = row_bucket(r)
-        step = self._step(f"target{capture}", static_steps.target_step, b, w)
-        self._mark_step()
-        logits, features = step(self.target, _pad_rows(tokens, b), base, capture)
+        logits, features = self._run(f"target{capture}", static_steps.target_step, w, self.target,
+                                     _pad_rows(tokens, row_bucket(r)), base, capture)
         return logits[:r], None if features is None else features[:r]
 
     def block_hidden(self, draft: DraftModel, block_ids: torch.Tensor, cache: KVCache,
                      embed: nn.Embedding) -> torch.Tensor:
         """`DraftModel.block_hidden` for the rows of the view `cache`: [R, S] -> [R, S, H]."""
         base = self._base(cache, self.draft_cache)
+        if draft is not self.draft:
+            raise BlockspecError("captured steps run the draft they were built for")
         r, s = block_ids.shape
-        b = row_bucket(r)
-        step = self._step("draft_block", static_steps.draft_block, b, s)
-        self._mark_step()
-        return step(draft, _pad_rows(block_ids, b), base, embed)[:r]
+        hidden = self._run("draft_block", static_steps.draft_block, s, draft, _pad_rows(block_ids, row_bucket(r)),
+                           base, embed)
+        return hidden[:r]
 
     def append_context(self, features: torch.Tensor, counts: torch.Tensor) -> None:
         """The first R rows' features [R, W, F] become draft context; row r keeps counts[r]."""
         assert self.draft is not None and self.draft_cache is not None
         r, w = features.shape[:2]
-        b = row_bucket(r)
-        step = self._step("draft_context", static_steps.draft_context, b, w)
-        self._mark_step()
-        step(self.draft, _pad_rows(features, b), self.draft_cache)
+        self._run("draft_context", static_steps.draft_context, w, self.draft, _pad_rows(features, row_bucket(r)),
+                  self.draft_cache)
         self.draft_cache.lengths[:r] += counts
 
     def context(self) -> "CapturedContext":

@@ -95,6 +95,10 @@ class Engine:
     shipped (e.g. calibrated offline for this decoding mode). prefill_chunk_tokens: longer prompts are
     prefilled that many tokens per step (`prefill_chunks`; None: 2048 on CUDA, 512 on CPU)."""
 
+    # Benchmarks only (simulated acceptance, NOT lossless): rows -> accepted-draft counts imposed
+    # on the round (clamped to what each row verified); None: the acceptance rule decides.
+    forced_acceptance: Callable[[int], torch.Tensor] | None = None
+
     def __init__(self, target: TargetModel, draft: DraftModel | None = None, method: str = "ar",
                  scheduled: bool = False, max_running: int = 32, kv_memory_gb: float | None = None,
                  max_model_len: int | None = None, cost_table: CostTable | None = None,
@@ -314,7 +318,8 @@ class Engine:
         anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.long, device=self.target.device)
         batch = RoundInputs(self.target, self.draft, view, draft_view, self.slots.pending, anchors,
                             self._sampler(reqs))
-        outcome = speculative_round(batch, self.policy, rule=self.rule, packed=True)
+        forced = self.forced_acceptance(len(reqs)) if self.forced_acceptance is not None else None
+        outcome = speculative_round(batch, self.policy, rule=self.rule, packed=True, forced=forced)
         for i, req in enumerate(reqs):
             req.output.record_round(outcome.verified[i], outcome.accepted[i])
             req.anchor = outcome.bonus[i]

@@ -55,11 +55,25 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     q, k, v = attn.project_qkv(x, cos, sin)
     _write(cache, attn.layer_idx, k, v, slots)
     rows = x.shape[0]
-    # SDPA under a dense mask (the efficient kernel on CUDA): its shape is static, unlike a
-    # block mask built from the lengths, and [R, 1, W, C] is small next to the cache read.
-    out = F.scaled_dot_product_attention(q, cache.k[attn.layer_idx, :rows], cache.v[attn.layer_idx, :rows],
-                                         attn_mask=mask, enable_gqa=attn.heads != attn.kv_heads)
-    return attn.output(out)
+    return attn.output(grouped_attention(q, cache.k[attn.layer_idx, :rows], cache.v[attn.layer_idx, :rows], mask))
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA of q [R, H, W, D] over k, v [R, Hkv, C, D] under a bool mask [R, 1, W or 1, C].
+
+    The G = H / Hkv query heads sharing a KV head are folded into the query length
+    ([R, Hkv, G*W, D]), so no kernel copies K/V per query head: SDPA's GQA support
+    (enable_gqa) goes to the math kernel under an arbitrary mask on CUDA, which would
+    repeat the whole cache G times. A dense mask (the memory-efficient kernel) keeps
+    the shapes static, unlike a block mask built from the lengths, and [R, 1, G*W, C]
+    is small next to the cache it masks."""
+    r, h, w, d = q.shape
+    g = h // k.shape[1]
+    if g == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    folded = q.reshape(r, h // g, g * w, d)
+    mask = mask.expand(r, 1, w, mask.shape[-1]).repeat(1, 1, g, 1)      # query (j, t) -> row t's mask
+    return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask).reshape(r, h, w, d)
 
 
 def target_step(target: TargetModel, tokens: torch.Tensor, cache: KVCache, capture: tuple[int, ...] = ()
