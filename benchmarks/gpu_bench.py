@@ -360,7 +360,9 @@ def round_section(target: TargetModel, drafts: dict[str, DraftModel], contexts: 
             report.emit(f"| {context} | skipped: time budget |" + " |" * (len(head) - 2))
             continue
         report.progress(f"round costs, context {context}")
-        for b, t in round_costs(target, drafts, context, batches, timer, smoke).items():
+        with torch.inference_mode():   # as generate and the engine run
+            costs = round_costs(target, drafts, context, batches, timer, smoke)
+        for b, t in costs.items():
             cells = [str(context), str(b), f"{t['ar'] * 1e3:.2f}", f"{t['verify'] * 1e3:.2f}"]
             cells += [f"{t[f'draft {n}'] * 1e3:.2f}" for n in names]
             cells += [f"{(t[f'draft {n}'] + t['verify']) / t['ar']:.2f}" for n in names]

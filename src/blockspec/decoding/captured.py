@@ -68,7 +68,9 @@ class CapturedSteps:
     def __init__(self, target: TargetModel, draft: DraftModel | None = None, *, compile: bool = True,
                  mode: str | None = None) -> None:
         cuda = target.device.type == "cuda"
-        mode = "eager" if not compile else mode or ("graphs" if cuda else "compile")
+        # longrope builds its long factors on the host per call: a copy a CUDA graph cannot capture.
+        host_rope = any(m is not None and m.config.rope.rope_type == "longrope" for m in (target, draft))
+        mode = "eager" if not compile else mode or ("graphs" if cuda and not host_rope else "compile")
         if mode not in MODES or (mode == "graphs" and not cuda):
             raise BlockspecError(f"captured mode must be one of {', '.join(MODES)} (graphs: CUDA only), got {mode!r}")
         self.target, self.draft, self.compile, self.mode = target, draft, compile, mode
@@ -167,9 +169,10 @@ class CapturedSteps:
     def _capture(self, fn: Callable, module: nn.Module, example: torch.Tensor, base: KVCache,
                  extra: tuple) -> Callable:
         """A CUDA graph of fn over a static copy of `example`: replaying copies the new input
-        in and returns the graph's own output tensors (overwritten by its next replay, so a
-        round consumes them before it runs the same step again). Warm-up and capture write
-        K/V only into slots past every row's length, which hold nothing committed."""
+        in and returns the graph's own output tensors. Graphs share one memory pool, so an
+        output stays valid only until the next replay of ANY step: the round consumes each
+        (enqueues its readers) before it runs the next step. Warm-up and capture write K/V
+        only into slots past every row's length, which hold nothing committed."""
         static_in = example.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
