@@ -179,6 +179,36 @@ def test_generate_compile_equals_eager_as_rows_finish(method):
     assert "_captured_steps" not in target.__dict__
 
 
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "dspark"])
+def test_a_greedy_captured_round_reads_the_host_once(monkeypatch, method):
+    """What would synchronise with a GPU (a tensor value read on the host) happens once per
+    captured round: the outcome's one transfer."""
+    target, draft = models(method)
+    steps = CapturedSteps(target, draft, compile=False)
+    prompts = PROMPTS[3]
+    width = draft.config.block_size + 1 if draft is not None else 1
+    cache, dcache = steps.new_caches(3, 64, 64 + width)
+    sampler = RowSampler.from_params([SamplingParams()] * 3)
+    with torch.inference_mode():
+        anchors = prefill(target, cache, prompts, sampler, draft, dcache)
+        batch = RoundInputs(target, draft, cache, dcache, steps.context() if draft is not None else None, anchors,
+                            sampler, captured=steps)
+        batch.bands = [0, 0, 0]   # as generate and the engine pass them
+        policy = FullWindow(draft.config.num_drafts if draft is not None else 0)
+        speculative_round(batch, policy)          # the first round builds the steps
+        reads: list[str] = []
+        for name in HOST_READS:
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name,
+                                lambda self, *a, _real=real, _name=name, **k: (reads.append(_name), _real(self, *a, **k))[1])
+        speculative_round(batch, policy)
+        monkeypatch.undo()
+    assert reads == ["tolist"]
+
+
 def test_modes():
     """compile=False is eager whatever the mode; CUDA graphs need CUDA; the CPU compiles with inductor."""
     target, draft = models("dflash")
