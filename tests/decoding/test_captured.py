@@ -153,9 +153,13 @@ def test_captured_rounds_commit_long_accepted_runs(method):
     target, draft = models(method)
     forced = [3, 0, 2, 3, 1]
     eager = run_rounds(target, draft, PROMPTS[3], FullWindow, None, 5, forced)
-    captured = run_rounds(target, draft, PROMPTS[3], FullWindow, CapturedSteps(target, draft, compile=False), 5,
-                          forced)
+    steps = CapturedSteps(target, draft, compile=False)
+    captured = run_rounds(target, draft, PROMPTS[3], FullWindow, steps, 5, forced)
     assert captured == eager and all(len(t) == 9 + 5 for t in captured)
+    # What a CUDA graph would hold alive: both models' RoPE tables and fused q/k norm weights.
+    held = steps._lazy_tensors()
+    assert any(t is target.rotary.table(1, target.dtype)[0] for t in held)
+    assert any(t is draft.layers[0].self_attn._qk_weight for t in held)
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
@@ -177,6 +181,22 @@ def test_generate_compile_equals_eager_as_rows_finish(method):
     assert [c.tokens for c in again.completions] == want[1:3]
     release_captured(target)
     assert "_captured_steps" not in target.__dict__
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_seeded_sampling_captured_equals_eager(method):
+    """Sampled rows (temperature, top-p, own seeds; greedy rows mixed in) draw the same
+    tokens: the captured steps change the forwards only, never the random stream."""
+    target, draft = models(method)
+    prompts = PROMPTS[3]
+    params = [SamplingParams(temperature=1.0, seed=7, max_new_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=8, max_new_tokens=6, ignore_eos=True),
+              SamplingParams(max_new_tokens=8, ignore_eos=True)]
+    eager = generate(target, prompts, params, draft=draft, method=method, adapt=False)
+    captured_steps(target, draft, compile=False)
+    captured = generate(target, prompts, params, draft=draft, method=method, compile=True, adapt=False)
+    assert [c.tokens for c in captured.completions] == [c.tokens for c in eager.completions]
+    release_captured(target)
 
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")

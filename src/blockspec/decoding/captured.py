@@ -33,6 +33,7 @@ from blockspec.errors import BlockspecError
 from blockspec.models import static_steps
 from blockspec.models.draft import DraftModel
 from blockspec.models.kv_cache import KVCache
+from blockspec.models.layers import Attention
 from blockspec.models.target import TargetModel
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -182,12 +183,28 @@ class CapturedSteps:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             static_out = fn(module, static_in, base, *extra)
+        keep = self._lazy_tensors()
 
         def replay(x: torch.Tensor) -> object:
             static_in.copy_(x)
             graph.replay()
             return static_out
+        replay.keep_alive = keep   # type: ignore[attr-defined]
         return replay
+
+    def _lazy_tensors(self) -> list[torch.Tensor]:
+        """Tensors the models build lazily and replace when they grow (RoPE tables, the fused
+        q/k norm weights): a graph reads them by address, so it holds the ones it captured
+        (a later, longer eager forward regrowing a table must not free memory a graph reads)."""
+        keep: list[torch.Tensor] = []
+        for model in (self.target, self.draft):
+            if model is None:
+                continue
+            for pair in model.rotary._tables.values():
+                keep.extend(pair)
+            keep.extend(m._qk_weight for m in model.modules()
+                        if isinstance(m, Attention) and m._qk_weight is not None)
+        return keep
 
     def target_forward(self, cache: KVCache, tokens: torch.Tensor, capture: tuple[int, ...] = ()
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
