@@ -15,9 +15,11 @@ L[r]; what a query may see is a per-row key-length limit (docs/design.md section
   length are skipped (a short row no longer pays for the longest). Elsewhere:
   SDPA with a boolean mask, which for W = 1 and the draft block is only a
   key-length mask [R, 1, 1, K]. On the CPU, SDPA with the mask is the fused
-  kernel already: eager flex_attention materialises every score (3-5x slower per
-  cached forward), and compiled flex is no faster (0.42 vs 0.58 ms at W = 1,
-  3.5 vs 3.1 ms at W = 16, 8 rows x 1088 keys) after 4-6 s of compiling per shape.
+  kernel already: eager flex_attention materialises every score (2.5-4.4x slower
+  per cached forward of the shipped target), and compiled flex saves 10-20% of
+  the op (0.42 vs 0.53 ms at W = 1, 3.4 vs 3.8 ms at W = 16, 8 rows x 1088 keys),
+  a few % of the forward, after 6-10 s of compiling per shape (docs/results.md,
+  benchmarks/attention_kernels.py).
 - sliding-window layers keep a dense mask whenever a key can leave the window.
 
 BLOCKSPEC_ATTENTION=sdpa|flex overrides the per-device choice (tests run the flex
