@@ -299,7 +299,6 @@ def ar_section(target: TargetModel, raw: dict, contexts: list[int], new_tokens: 
         report.emit(f"| {context} | {ours_rate:.1f} | {theirs_rate:.1f} | {ours_rate / theirs_rate:.2f}x | "
                     f"{same} of {new_tokens} tokens |")
     release_captured(target)
-    del hf
 
 
 # -- 2. round costs -----------------------------------------------------------------

@@ -220,10 +220,17 @@ def test_a_greedy_captured_round_reads_the_host_once(monkeypatch, method):
         policy = FullWindow(draft.config.num_drafts if draft is not None else 0)
         speculative_round(batch, policy)          # the first round builds the steps
         reads: list[str] = []
-        for name in HOST_READS:
+
+        def counted(name: str):
             real = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name,
-                                lambda self, *a, _real=real, _name=name, **k: (reads.append(_name), _real(self, *a, **k))[1])
+
+            def read(self, *args, **kwargs):
+                reads.append(name)
+                return real(self, *args, **kwargs)
+            return read
+
+        for name in HOST_READS:
+            monkeypatch.setattr(torch.Tensor, name, counted(name))
         speculative_round(batch, policy)
         monkeypatch.undo()
     assert reads == ["tolist"]
