@@ -69,6 +69,24 @@ def test_static_steps_equal_the_eager_forwards(rows):
             torch.testing.assert_close(mine.v[:, r, :, :n], theirs.v[:, r, :, :n])
 
 
+@pytest.mark.parametrize("kind", [dict(model_type="llama"), dict(model_type="qwen2"),
+                                  dict(model_type="mistral", sliding_window=6)])
+def test_target_step_equals_forward_across_families(kind):
+    """No q/k norm (Llama), q/k/v biases (Qwen2), a sliding window narrower than the rows
+    (Mistral): the static target step over [anchor + 3] equals the eager forward."""
+    target = make_target(dtype=torch.float64, **kind)
+    steps = CapturedSteps(target, None, compile=False)
+    cache, _ = steps.new_caches(3, 32)
+    ref = target.new_cache(3, 32)
+    sampler = RowSampler.from_params([SamplingParams()] * 3)
+    with torch.inference_mode():
+        for c in (cache, ref):
+            prefill(target, c, PROMPTS[3], sampler)
+        tokens = torch.randint(0, 60, (3, 4))
+        logits, _ = steps.target_forward(cache, tokens)
+        torch.testing.assert_close(logits, target(tokens, ref).logits)
+
+
 class PrefixPolicy:
     """Rounds that exercise the captured path's ragged cases: the first k < R rows draft
     (k cycles), a shorter block every third round, rows verifying fewer drafts, an AR round."""
