@@ -332,7 +332,8 @@ def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "r
         cache = batch.draft_cache if k == r else batch.draft_cache.slice_rows(0, k)
         proposal = propose(draft, target, cache, anchors[:k], sub, num_drafts=block,
                            stop_below=policy.stop_below(k), confidence_map=policy.confidence_map(),
-                           captured=batch.captured)
+                           # only when set: wrappers of propose's older signature keep working
+                           **({"captured": batch.captured} if batch.captured is not None else {}))
     t_drafted = time.perf_counter()
     lens = policy.plan(proposal, r, block)
     if proposal is not None and k < r:
