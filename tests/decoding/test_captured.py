@@ -160,8 +160,12 @@ def test_captured_rounds_equal_eager_rounds(method, rows, policy):
     rows padded to their bucket (1, 4, 8), drafting prefixes, shorter blocks and AR rounds."""
     target, draft = models(method)
     eager = run_rounds(target, draft, PROMPTS[rows], policy, None, 6)
-    captured = run_rounds(target, draft, PROMPTS[rows], policy, CapturedSteps(target, draft, compile=False), 6)
+    steps = CapturedSteps(target, draft, compile=False)
+    captured = run_rounds(target, draft, PROMPTS[rows], policy, steps, 6)
     assert captured == eager
+    # Shorter verifies ran at the full window: target steps of width 1 (AR) or g + 1 only.
+    g = draft.config.num_drafts if draft is not None else 0
+    assert {width for name, _, width in steps._steps if name.startswith("target")} <= {1, g + 1}
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])

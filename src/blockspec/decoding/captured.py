@@ -209,12 +209,19 @@ class CapturedSteps:
     def target_forward(self, cache: KVCache, tokens: torch.Tensor, capture: tuple[int, ...] = ()
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens [R, W] after each row of the view `cache` (K/V written, lengths unchanged:
-        the caller commits) -> logits [R, W, V], features [R, W, F] or None."""
+        the caller commits) -> logits [R, W, V], features [R, W, F] or None.
+
+        A verify shorter than the draft's window (a shorter gated block, DSpark's early
+        stop) runs at the full window, padded after its tokens: attention is causal, so the
+        padding changes no real position, and one step serves every such width."""
         base = self._base(cache, self.cache)
         r, w = tokens.shape
-        logits, features = self._run(f"target{capture}", static_steps.target_step, w, self.target,
+        full = self.draft.config.num_drafts + 1 if self.draft is not None else w
+        if 1 < w < full:
+            tokens = torch.cat([tokens, tokens.new_zeros(r, full - w)], dim=1)
+        logits, features = self._run(f"target{capture}", static_steps.target_step, tokens.shape[1], self.target,
                                      _pad_rows(tokens, row_bucket(r)), base, capture)
-        return logits[:r], None if features is None else features[:r]
+        return logits[:r, :w], None if features is None else features[:r, :w]
 
     def block_hidden(self, draft: DraftModel, block_ids: torch.Tensor, cache: KVCache,
                      embed: nn.Embedding) -> torch.Tensor:
