@@ -235,11 +235,16 @@ class CapturedSteps:
         return hidden[:r]
 
     def append_context(self, features: torch.Tensor, counts: torch.Tensor) -> None:
-        """The first R rows' features [R, W, F] become draft context; row r keeps counts[r]."""
+        """The first R rows' features [R, W, F] become draft context; row r keeps counts[r].
+        Widths between 1 and the window are padded to the window, as in `target_forward`
+        (the extra slots lie past what any row keeps)."""
         assert self.draft is not None and self.draft_cache is not None
         r, w = features.shape[:2]
-        self._run("draft_context", static_steps.draft_context, w, self.draft, _pad_rows(features, row_bucket(r)),
-                  self.draft_cache)
+        full = self.draft.config.num_drafts + 1
+        if 1 < w < full:
+            features = torch.cat([features, features.new_zeros(r, full - w, features.shape[2])], dim=1)
+        self._run("draft_context", static_steps.draft_context, features.shape[1], self.draft,
+                  _pad_rows(features, row_bucket(r)), self.draft_cache)
         self.draft_cache.lengths[:r] += counts
 
     def context(self) -> "CapturedContext":
