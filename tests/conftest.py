@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import pytest
 
@@ -10,6 +12,20 @@ from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cost_table_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Cost tables the adaptive policy measures go to a per-session directory, not the
+    user's cache (CLI subprocesses inherit it)."""
+    path = tmp_path_factory.mktemp("blockspec-cache")
+    old = os.environ.get("BLOCKSPEC_CACHE_DIR")
+    os.environ["BLOCKSPEC_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("BLOCKSPEC_CACHE_DIR", None)
+    else:
+        os.environ["BLOCKSPEC_CACHE_DIR"] = old
 
 
 def tiny_target_config(model_type: str = "qwen3", vocab: int = 64, layers: int = 4, **kw) -> TargetConfig:

@@ -24,7 +24,7 @@ from blockspec.errors import BlockspecError
 from blockspec.interop import ENGINES, EngineCompatibilityWarning, launch_line, mask_token_of
 from blockspec.loading import load_models
 from blockspec.models.checkpoint import load_draft, load_target, save_draft
-from blockspec.options import (add_chat_template_flag, add_dataclass_flags, add_dtype_flag, add_load_flags,
+from blockspec.options import (add_adapt_flag, add_chat_template_flag, add_dataclass_flags, add_dtype_flag, add_load_flags,
                                add_model_flags, add_rule_flag, add_target_flag, dataclass_from_args, load_options)
 from blockspec.serving.server import add_serve_parser
 from blockspec.training.calibrate import collect_rollouts, fit_sts, save_temperatures
@@ -70,13 +70,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     out = generate(models.target, [prompt_ids], params, draft=models.draft, method=args.method, rule=args.rule,
-                   on_tokens=on_tokens, compile=args.compile)
+                   on_tokens=on_tokens, compile=args.compile, adapt=args.adapt)
     elapsed = time.perf_counter() - t0
     sys.stdout.write(stream.push([], final=True)[1] + "\n")
     if args.stats:
         c, t = out.completions[0], out.timing
+        drafted = sum(v > 0 for v in c.stats.verified)
         print(f"[{args.method}] {len(c.tokens)} tokens in {elapsed:.2f}s ({len(c.tokens) / elapsed:.1f} tok/s), "
-              f"tau {c.stats.tau:.2f} over {c.stats.rounds} rounds; prefill {t.prefill_s * 1e3:.0f} ms, "
+              f"tau {c.stats.tau:.2f} over {c.stats.rounds} rounds ({drafted} drafted); prefill {t.prefill_s * 1e3:.0f} ms, "
               f"draft {t.draft_s * 1e3:.0f} ms, verify {t.verify_s * 1e3:.0f} ms; finish: {c.finish_reason}"
               + ("; the time includes compiling the decode step (once per process)" if args.compile else ""),
               file=sys.stderr)
@@ -221,6 +222,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--top-k", type=int, default=None, help="0 = off (default: generation_config.json's, else 0)")
     p.add_argument("--seed", type=int, default=None)
     add_rule_flag(p)
+    add_adapt_flag(p)
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
     p.add_argument("--compile", action="store_true",
                    help="AR only: torch.compile the decode step (slow first step, faster after)")

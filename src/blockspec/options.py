@@ -65,6 +65,15 @@ def add_rule_flag(p: argparse.ArgumentParser) -> None:
                    help="acceptance rule when sampling (both lossless; rejection accepts more)")
 
 
+def add_adapt_flag(p: argparse.ArgumentParser) -> None:
+    """--adapt / --no-adapt: the adaptive drafting policy (decoding/policy.py), on by default."""
+    p.add_argument("--adapt", action=argparse.BooleanOptionalAction, default=True,
+                   help="speculative methods: draft only when it pays, per temperature band, with the block "
+                        "length (and DSpark's verify lengths) chosen from this machine's measured costs (cost "
+                        "table measured once and cached) and measured acceptance; --no-adapt: every round "
+                        "drafts and verifies the full window (fixed-window measurements)")
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--target / --draft / --method / --block-size / --chat-template / --dtype / --device /
     --allow-nonfinite-weights: the arguments of loading.load_models (`load_options(args)` for the last three)."""

@@ -72,7 +72,7 @@ def test_bench_writes_json_markdown_and_plots(bench):
     assert "| dataset | method |" in md and "dflash B=4" in md and "dspark B=3" in md
     assert "Confidence-head calibration" in md and "NOT lossless" not in md
     for temp in ("0", "1"):
-        for kind in ("acceptance", "per_slot", "dspark-B-3_reliability"):
+        for kind in ("acceptance", "per_slot", "dspark-B-3-adaptive_reliability"):
             png = out / f"prompts_t{temp}_{kind}.png"
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     assert sorted(Path(p).name for p in results["plots"]) == sorted(p.name for p in out.glob("*.png"))
@@ -119,7 +119,8 @@ def test_bench_calibration_of_dspark(bench):
             assert cal is None
             continue
         assert 0.0 <= cal["ece"] <= 1.0 and 0.0 <= cal["brier"] <= 1.0
-        assert cal["n"] == row["acceptance"]["rounds"] * row["drafts"]  # the full window is verified
+        # Calibration runs its own fixed-window pass (the timed arm is adaptive): whole windows.
+        assert cal["n"] > 0 and cal["n"] % row["drafts"] == 0
         assert sum(b["count"] for b in cal["reliability"]) == cal["n"]
 
 
@@ -212,9 +213,9 @@ def test_round_recorder_sees_every_round_of_generate(kind, temperature):
              make_draft(target, layout="deepspec", block_size=3, markov_rank=4, confidence=True))
     params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=3)
     recorder = RoundRecorder()
-    out = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind, observer=recorder)
+    out = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind, observer=recorder, adapt=False)
     loop = out.completions[0]
-    ref = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind).completions[0]
+    ref = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind, adapt=False).completions[0]
     assert loop.tokens == ref.tokens
     assert loop.stats.accepted == ref.stats.accepted and loop.stats.verified == ref.stats.verified
     assert [r.accepted for r in recorder.records] == loop.stats.accepted
@@ -304,17 +305,6 @@ def test_gpu_bench_fails_fast_without_gpu(command):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "GPU" in lines[0]
     assert proc.stdout == ""
-
-
-def test_gpu_bench_smoke_on_cpu(capsys):
-    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "benchmarks" / "gpu_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--smoke", "--batches", "1,2", "--context", "8", "--iters", "2", "--warmup", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "| batch | T_ar ms | T_draft ms | T_verify ms |" in out
-    rows = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
-    assert len(rows) == 2 and all(line.count("x |") == 2 for line in rows)
 
 
 def test_markdown_report_has_the_throughput_table(bench):

@@ -36,7 +36,7 @@ SCHED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0])
 # with more running requests it verifies its anchor, and explores with the full block.
 GATED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0], draft_rows=[1, 2, 3], draft_times_s=[2.0, 3.0, 3.0],
                         draft_slot_times={1: [0.01, 2.0, 2.5]}, draft_window=3)
-CONFIGS = ["ar", "dflash", "dspark", "dspark-scheduled", "dspark-gated", "dflash-gated"]
+CONFIGS = ["ar", "dflash", "dspark", "dspark-scheduled", "dspark-gated", "dflash-gated", "dflash-auto", "dspark-auto"]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,12 @@ def requests(target64):
 def build(target, config: str, block_size: int = 4, max_running: int = 3, max_model_len: int = 64,
           **kw) -> Engine:
     kw.update(max_running=max_running, max_model_len=max_model_len)
+    if config.endswith("-auto"):   # the default: adaptive, the cost table measured and cached
+        method = config.removesuffix("-auto")
+        draft = (make_draft(target, "zlab", block_size) if method == "dflash" else
+                 make_draft(target, "deepspec", block_size, markov_rank=4, markov_type="gated", confidence=True))
+        return Engine(target, draft, method, **kw)
+    kw.setdefault("adapt", False)   # fixed windows unless the config says otherwise
     if config == "ar":
         return Engine(target, method="ar", **kw)
     if config in ("dflash", "dflash-gated"):  # gated: full window, the gate learns from acceptance
@@ -133,7 +139,10 @@ def test_greedy_with_arrivals_and_cancellations_equals_ar(monkeypatch, target64,
     elif config.endswith("-gated"):  # the gate really skipped some drafts and kept others
         assert 0 < m["undrafted_request_rounds"] < m["request_rounds"]
         assert 0 < m["drafting_rounds"] < m["rounds"]
-    elif config != "ar":
+    elif config.endswith("-auto"):   # adaptive by default: the gate runs on a measured table, and drafts
+        assert engine.metrics()["draft_gate"] and m["drafting_rounds"] > 0
+        assert engine.policy.scheduled == (config == "dspark-auto")
+    else:
         assert m["undrafted_request_rounds"] == 0 and m["drafting_rounds"] == m["rounds"]
     if config == "dspark-scheduled":
         assert {0, 1, 4} <= set(m["verified_histogram"])  # per-row lengths vary, 0 drafts included
@@ -193,7 +202,8 @@ def test_seeded_sampling_is_independent_of_the_batch(target64, requests, config)
     mixed = [(PROMPTS[0], sampled[0], None), requests[1], (PROMPTS[2], sampled[1], None)] + requests[4:7]
     handles, _ = drive(engine, mixed, seed=5, cancel_waiting=-1, cancel_running=4)
     for i, prompt, params in [(0, PROMPTS[0], sampled[0]), (2, PROMPTS[2], sampled[1])]:
-        alone = generate(target64, [prompt], params, draft=engine.draft).completions[0].tokens
+        # Same drafting schedule (fixed windows): the same draws, so the same tokens.
+        alone = generate(target64, [prompt], params, draft=engine.draft, adapt=False).completions[0].tokens
         assert handles[i].result().tokens == alone
 
 
@@ -219,11 +229,12 @@ class PatternGate:
     def __init__(self, rows_by_round: list[int], window: int) -> None:
         self.plan, self.window = list(rows_by_round), window
 
-    def decide(self, rows: int) -> tuple[int, int]:
+    def decide(self, bands: list[int]) -> tuple[int, int]:
+        rows = len(bands)
         k = min(rows, self.plan.pop(0)) if self.plan else rows
         return k, self.window if k else 0
 
-    def update(self, survival: torch.Tensor, block: int | None = None) -> None:
+    def update(self, survival: torch.Tensor, block: int | None = None, bands: list[int] | None = None) -> None:
         pass
 
 
@@ -310,7 +321,8 @@ def sample_under_load(engine: Engine, params: SamplingParams) -> torch.Tensor:
 
 def sampling_engine(target, method: str, calibrate: bool = True) -> Engine:
     if method == "dflash":
-        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24)
+        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24,
+                      adapt=False)
     if method == "dflash-gated":
         table = CostTable([1, 10000], [1.0, 51.0], draft_rows=[1, 10000], draft_times_s=[0.01, 500.0],
                           draft_slot_times={1: [0.005, 200.0]}, draft_window=3)
@@ -397,13 +409,13 @@ def test_too_big_request_is_rejected_and_others_continue(target64, requests):
 def test_draft_gate_needs_a_speculative_method_and_draft_times(target64):
     draft = make_draft(target64, "zlab", 4)
     with pytest.raises(BlockspecError, match="draft_gate needs"):
-        Engine(target64, draft, "dflash", draft_gate=True)                         # no table
+        Engine(target64, draft, "dflash", draft_gate=True, adapt=False)           # no table
     with pytest.raises(BlockspecError, match="draft_gate needs"):
         Engine(target64, draft, "dflash", draft_gate=True, cost_table=SCHED_TABLE)  # no draft times
     with pytest.raises(BlockspecError, match="draft_gate needs"):
         Engine(target64, None, "ar", draft_gate=True, cost_table=GATED_TABLE)
     assert Engine(target64, draft, "dflash", draft_gate=True, cost_table=GATED_TABLE).metrics()["draft_gate"]
-    assert not Engine(target64, draft, "dflash", cost_table=GATED_TABLE).metrics()["draft_gate"]
+    assert not Engine(target64, draft, "dflash", cost_table=GATED_TABLE, adapt=False).metrics()["draft_gate"]
 
 
 @pytest.mark.parametrize("config", ["dflash-gated", "dspark-gated"])

@@ -10,7 +10,8 @@ import torch
 from blockspec.config import SamplingParams
 from blockspec.decoding.engine import Engine
 from blockspec.decoding.generate import generate
-from blockspec.decoding.policy import ConfidenceCalibration, plan
+from blockspec.decoding.planner import plan
+from blockspec.decoding.policy import ConfidenceCalibration
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.round import propose
 from blockspec.decoding.sampling import RowSampler, verify, warp
@@ -108,7 +109,7 @@ def test_observers_see_every_round_and_forced_acceptance_is_imposed(target64):
             seen.append((list(requests), list(outcome.accepted), outcome.raw_confidence.shape))
 
     params = SamplingParams(max_new_tokens=17, ignore_eos=True)
-    out = generate(target64, PROMPTS, params, draft=draft, observer=Observer())
+    out = generate(target64, PROMPTS, params, draft=draft, observer=Observer(), adapt=False)
     assert len(seen) == out.timing.rounds
     assert [a for requests, acc, _ in seen for r, a in zip(requests, acc) if r == 1] == \
         out.completions[1].stats.accepted

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from blockspec.decoding.cost_table import CostTable, interpolate, model_signature, profile_cost_table
-from blockspec.decoding.policy import ConfidenceCalibration, DraftGate, admit, plan
+from blockspec.decoding.gate import DraftGate
+from blockspec.decoding.planner import admit, plan
+from blockspec.decoding.policy import ConfidenceCalibration
 from blockspec.errors import BlockspecError
 from conftest import make_target
 
@@ -167,21 +169,22 @@ def test_gate_rates_known_answer():
 
 
 def test_gate_asks_the_planner_with_the_mean_survival_curve():
-    gate = DraftGate(GATE_TABLE, window=3, momentum=0.5, explore_rows=2)
-    # An early-stopped proposal of a 3-slot block: slot 3 = 0. Two rows weigh
-    # 1 - 0.5 ** (2 / 2) against the optimistic prior (full survival).
+    gate = DraftGate(GATE_TABLE, window=3, momentum=0.5, explore_rows=2, prior_rounds=1.0)
+    # An early-stopped proposal of a 3-slot block: slot 3 = 0. Two request-rounds
+    # next to the prior's one of full survival.
     gate.update(torch.tensor([[0.9, 0.5], [0.7, 0.3]]), 3)
-    assert gate.survival.tolist() == pytest.approx([0.9, 0.7, 0.5])
-    keep = 0.5 ** 0.5                                      # one row moves the curve less
+    assert gate.curves[0].tolist() == pytest.approx([2.6 / 3, 1.8 / 3, 1 / 3])
+    d = 0.5 ** 0.5                                  # one later request-round decays the others by this
     gate.update(torch.tensor([[0.6, 0.2, 0.1]]))
-    expected = [keep * a + (1 - keep) * b for a, b in zip([0.9, 0.7, 0.5], [0.6, 0.2, 0.1])]
-    assert gate.survival.tolist() == pytest.approx(expected)
-    lens = plan(gate.survival.unsqueeze(0), GATE_TABLE, float(GATE_TABLE.draft_time(1)))
-    tokens = 1 + float(gate.survival[:int(lens[0])].sum())
+    sums, weight = [d * 1.6 + 0.6, d * 0.8 + 0.2, 0.1], 2 * d + 1
+    expected = [(1 + x) / (1 + weight) for x in sums]
+    assert gate.curves[0].tolist() == pytest.approx(expected)
+    lens = plan(gate.curves[0].unsqueeze(0), GATE_TABLE, float(GATE_TABLE.draft_time(1)))
+    tokens = 1 + float(gate.curves[0][:int(lens[0])].sum())
     spec, ar, _ = gate.expected_rates(1)
     assert spec == pytest.approx(tokens / (0.5 + float(GATE_TABLE.time(1 + int(lens[0])))))
     gate.update(torch.zeros(0, 3))                 # an empty round changes nothing
-    assert gate.survival.tolist() == pytest.approx(expected)
+    assert gate.curves[0].tolist() == pytest.approx(expected)
     assert gate.expected_rates(1) == (spec, ar, 3)  # memoised ...
     gate.update(torch.ones(1, 3))
     assert gate.expected_rates(1)[0] > spec        # ... until the next measurement
@@ -189,11 +192,11 @@ def test_gate_asks_the_planner_with_the_mean_survival_curve():
 
 def test_full_window_gate_prices_every_draft():
     """DFlash / unscheduled DSpark verify every draft: the rate counts the whole window."""
-    gate = DraftGate(GATE_TABLE, window=3, full_window=True, momentum=0.0)  # the last round alone
+    gate = DraftGate(GATE_TABLE, window=3, full_window=True, momentum=0.0, prior_rounds=0.0)  # the last round alone
     gate.update(torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))   # measured prefix acceptance
     spec, ar, _ = gate.expected_rates(16)
     assert spec == pytest.approx((16 + 16 * 1.5) / (8.0 + 4.0))    # 16 rows x 4 tokens = T(64)
-    planned = DraftGate(GATE_TABLE, window=3, momentum=0.0)
+    planned = DraftGate(GATE_TABLE, window=3, momentum=0.0, prior_rounds=0.0)
     planned.update(torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
     assert planned.expected_rates(16)[0] > spec                   # the planner drops the dead slot
 
@@ -215,35 +218,38 @@ def test_gate_shortens_the_block_under_load():
     assert gate.decide(16) == (16, 1)
     # A one-slot round measures slot 1 only; slots 2 and 3 keep their estimate.
     gate.update(torch.zeros(16, 1), 1)
-    assert gate.survival.tolist() == pytest.approx([0.7 ** 4, 1.0, 1.0])
+    d = 0.7 ** 4                                   # 16 rows: momentum ** (16 / explore_rows)
+    assert gate.curves[0].tolist() == pytest.approx([(0.5 + 4 * d) / (0.5 + 4 * d + 16), 1.0, 1.0])   # prior 0.5
     assert gate.decide(16) == (0, 0)                              # slot 1 never survives: AR
     # The curve the planner sees stays a prefix survival (never rising with the slot).
-    gate2 = DraftGate(table, window=3, momentum=0.0)
+    gate2 = DraftGate(table, window=3, momentum=0.0, prior_rounds=0.0)
     gate2.update(torch.tensor([[1.0, 0.2, 0.2]]))
     gate2.update(torch.tensor([[0.1]]), 1)
-    assert gate2.survival.tolist() == pytest.approx([0.1, 0.2, 0.2])
-    tokens, _, block, _ = gate2._plan(1)
-    assert tokens <= 1 + 0.1 * block + 1e-6
+    assert gate2.curves[0].tolist() == pytest.approx([0.1, 0.2, 0.2])
+    for option in gate2.options(((0, 1),))[1:]:
+        assert option.tokens <= 1 + 0.1 * option.block + 1e-6
 
 
 def test_gate_scales_the_table_by_measured_round_times():
     """Rounds cost more than the forward passes the table prices; the gate compares
-    the rates the engine achieves: measured / predicted per kind of round and rows."""
-    gate = DraftGate(GATE_TABLE, window=3, full_window=True, cost_momentum=0.5)
+    the rates really achieved: the median measured / predicted ratio per kind of
+    round, rows and (drafting) block length."""
+    gate = DraftGate(GATE_TABLE, window=3, full_window=True)
     gate.update(torch.ones(1, 3))
     spec, ar, _ = gate.expected_rates(16)              # table only: 64 / 12 vs 16 / 1.6
     assert (spec, ar) == (pytest.approx(64 / 12.0), pytest.approx(10.0))
-    gate.observe(16, 0, 0, 0, seconds=0.8)             # AR rounds at 16 rows take half the table's time
-    assert gate.cost_ratio(False, 16) == pytest.approx(0.5)
-    gate.observe(16, 16, 3, 48, seconds=24.0)          # drafting rounds twice the table's 8 + T(64)
-    gate.observe(16, 16, 3, 48, seconds=12.0)          # ... then as predicted: EMA (0.5) -> 1.5
-    assert gate.cost_ratio(True, 16) == pytest.approx(1.5)
+    for seconds in (0.8, 0.8, 5.0):                    # AR rounds at 16 rows take half the table's time ...
+        gate.observe(16, 0, 0, 0, seconds=seconds)
+    assert gate.cost_ratio(False, 16) == pytest.approx(0.5)   # ... one descheduled round does not count
+    for _ in range(3):                                 # drafting rounds: 1.5x the table's 8 + T(64)
+        gate.observe(16, 16, 3, 48, seconds=18.0)
+    assert gate.cost_ratio(True, 16, 3) == gate.cost_ratio(True, 16) == pytest.approx(1.5)
     assert gate.expected_rates(16) == (pytest.approx(64 / 18.0), pytest.approx(20.0), 3)
-    # Other row counts fall back to the ratio of all rounds of that kind.
-    gate.observe(4, 4, 3, 12, seconds=float(GATE_TABLE.draft_time(4, slots=3) + GATE_TABLE.time(16)))
-    assert gate.cost_ratio(True, 4) == pytest.approx(1.0)
-    assert gate.cost_ratio(True, 8) == pytest.approx(0.5 * 1.5 + 0.5 * 1.0)
-    assert gate.cost_ratio(False, 8) == pytest.approx(0.5)
+    # Other row counts fall back to the ratio of that kind of round, then of the other kind.
+    assert gate.cost_ratio(True, 8) == pytest.approx(1.5) and gate.cost_ratio(False, 8) == pytest.approx(0.5)
+    fresh = DraftGate(GATE_TABLE, window=3, full_window=True)
+    fresh.observe(1, 1, 3, 3, seconds=3.0)             # twice the table's 0.5 + T(4)
+    assert fresh.cost_ratio(False, 1) == pytest.approx(2.0)
 
 
 def test_gate_follows_measured_costs_to_ar():
@@ -252,23 +258,25 @@ def test_gate_follows_measured_costs_to_ar():
     gate = DraftGate(GATE_TABLE, window=3, full_window=True, explore_every=1000)
     gate.update(torch.ones(1, 3))
     assert gate.decide(1)[0] == 1
-    gate.observe(1, 1, 3, 3, seconds=10.0)             # 4 tokens in 10 s
-    gate.observe(1, 0, 0, 0, seconds=1.0)              # 1 token in 1 s
+    for _ in range(30):
+        gate.observe(1, 1, 3, 3, seconds=10.0)         # 4 tokens in 10 s
+        gate.observe(1, 0, 0, 0, seconds=1.0)          # 1 token in 1 s
     assert gate.decide(1)[0] == 0
 
 
 def test_gate_survival_is_a_mean_over_request_rounds():
-    """At batch 1 a hard start does not switch drafting off: one row's round moves the
-    optimistic curve a little; a round of many rows nearly replaces it."""
+    """At batch 1 a hard start does not switch drafting off at once: three
+    request-rounds stand next to the prior's one; a round of many rows outweighs it."""
     table = CostTable([1, 16, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 0.5])
-    gate = DraftGate(table, window=3, full_window=True, explore_every=1000)
+    gate = DraftGate(table, window=3, full_window=True, explore_every=1000, prior_rounds=1.0)
     for _ in range(3):                                  # three rounds that accept nothing
         gate.update(torch.zeros(1, 3))
     assert gate.decide(1)[0] == 1                   # still drafting: 3 samples of 1 row
-    assert gate.survival[0] == pytest.approx(0.95 ** 0.75)
-    many = DraftGate(table, window=3, full_window=True, explore_every=1000)
+    d = 0.95 ** 0.25
+    assert gate.curves[0][0] == pytest.approx(1 / (1 + 1 + d + d * d))
+    many = DraftGate(table, window=3, full_window=True, explore_every=1000, prior_rounds=1.0)
     many.update(torch.zeros(16, 3))                     # 16 rows that accept nothing
-    assert float(many.survival.max()) == pytest.approx(0.95 ** 4)   # 80 request-rounds of memory
+    assert float(many.curves[0].max()) == pytest.approx(1 / 17)
     assert many.decide(16)[0] == 0
 
 
@@ -293,7 +301,7 @@ def test_gate_explores_after_a_run_of_undrafted_rounds():
     for _ in range(40):                        # the text turns easy: every draft survives
         gate.update(torch.ones(1, 3))
     assert all(gate.decide(1)[0] == 1 for _ in range(5))
-    assert gate.interval == 4                  # a win resets the back-off
+    assert gate.interval[0] == 4                 # a win resets the back-off
     with pytest.raises(BlockspecError, match="explore_every"):
         DraftGate(GATE_TABLE, window=3, explore_every=0)
 

@@ -42,8 +42,8 @@ def dflash_engine(target_dir: Path, draft_dir: Path, engine_cls: type[Engine] | 
     """(engine, tokenizer, name) through the CLI's own flag handling, float64 for exact greedy checks."""
     argv = ["--target", str(target_dir), "--draft", str(draft_dir), "--method", "dflash", "--dtype", "float64",
             "--served-model-name", MODEL, "--max-model-len", "128"]
-    for flag, value in flags.items():
-        argv += [f"--{flag.replace('_', '-')}", value]
+    for flag, value in flags.items():   # value "": a bare switch such as --no-adapt
+        argv += [f"--{flag.replace('_', '-')}"] + ([value] if value else [])
     engine, tokenizer, name = build_engine(serve_args(*argv))
     if engine_cls is not None:  # same models, another Engine class (tests gate its steps)
         engine = engine_cls(engine.target, engine.draft, "dflash", max_running=engine.rows,

@@ -102,10 +102,24 @@ def test_stop_strings_and_seeded_sampling(client, reference):
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
 
-    def sample(seed: int) -> str:
-        return client.completions.create(model=MODEL, prompt="w1", max_tokens=12, temperature=1.0, top_p=0.9,
-                                         seed=seed, extra_body={"top_k": 20}).choices[0].text
-    assert sample(7) == sample(7)
+
+
+def test_seeded_sampling_repeats_with_fixed_windows(dirs):
+    """A seed fixes every draw, so with fixed windows (--no-adapt) a seeded request repeats
+    token for token. The adaptive default drafts by measured costs, which differ from run
+    to run; the distribution stays exact but the draws land elsewhere (as OpenAI's and
+    vLLM's seeds, best effort)."""
+    engine, tokenizer, _ = dflash_engine(*dirs, no_adapt="")
+    ctx, url = start(engine, tokenizer, max_tokens=64)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+        def sample(seed: int) -> str:
+            return client.completions.create(model=MODEL, prompt="w1", max_tokens=12, temperature=1.0, top_p=0.9,
+                                             seed=seed, extra_body={"top_k": 20}).choices[0].text
+        assert sample(7) == sample(7) and sample(7) != sample(8)
+    finally:
+        ctx.__exit__(None, None, None)
 
 
 def test_openai_client_errors(client):
@@ -289,10 +303,19 @@ def test_speculation_aliases(dirs):
                                               "--max-model-len", "64", "--max-running", "2"))
     assert engine.draft.config.block_size == 3 and engine.draft.config.num_drafts == 2  # z-lab: N + 1
     assert (engine.method, engine.rows, engine.max_model_len, name) == ("dflash", 2, 64, target_dir)
+    with pytest.raises(BlockspecError, match="speculative method"):
+        build_engine(serve_args("--target", target_dir, "--cost-table", "t.json"))   # AR: nothing to price
     with pytest.raises(BlockspecError, match="scheduled"):
-        build_engine(serve_args("--target", target_dir, "--cost-table", "t.json"))
-    with pytest.raises(BlockspecError, match="--draft-gate needs --cost-table"):
-        build_engine(serve_args("--target", target_dir, "--draft", draft_dir, "--draft-gate"))
+        build_engine(serve_args("--target", target_dir, "--draft", draft_dir, "--no-adapt", "--cost-table", "t.json"))
+    with pytest.raises(BlockspecError, match="--draft-gate with --no-adapt needs --cost-table"):
+        build_engine(serve_args("--target", target_dir, "--draft", draft_dir, "--draft-gate", "--no-adapt"))
+    # The default is adaptive: the gate runs on this machine's measured (cached) table.
+    engine, _, _ = build_engine(serve_args("--target", target_dir, "--draft", draft_dir, "--max-model-len", "64",
+                                           "--max-running", "2"))
+    assert engine.metrics()["draft_gate"]
+    fixed, _, _ = build_engine(serve_args("--target", target_dir, "--draft", draft_dir, "--max-model-len", "64",
+                                          "--max-running", "2", "--no-adapt"))
+    assert not fixed.metrics()["draft_gate"]
 
 
 def test_draft_gate_flag_gates_any_speculative_method(dirs, tmp_path):

@@ -1,8 +1,9 @@
 """The arms of a benchmark: one runner per (method, block size) (docs/design.md sections 1, 5 and 11).
 
 Methods: ``ar`` (blockspec AR), ``hf`` (transformers ``generate`` on the same
-checkpoint), ``dflash``, ``dspark`` (full window) and ``dspark-scheduled``
-(continuous-batching engine with the confidence scheduler).
+checkpoint), ``dflash`` and ``dspark`` (the adaptive policy by default, as users
+run them, and / or fixed full windows) and ``dspark-scheduled`` (the
+continuous-batching engine with the confidence scheduler, batch 1).
 
 ``simulate_accept=TAU`` replaces each round's verification *outcome* by a
 deterministic accepted-length pattern whose mean is ``TAU - 1`` (the real draft
@@ -25,6 +26,7 @@ from blockspec.decoding.cost_table import CostTable, profile_cost_table
 from blockspec.decoding.engine import Engine
 from blockspec.decoding.generate import Timing, generate
 from blockspec.decoding.output import RequestStats
+from blockspec.decoding.policy import FullWindow, RoundPolicy
 from blockspec.errors import BlockspecError
 from blockspec.loading import draft_kind
 from blockspec.models.draft import DraftModel
@@ -59,6 +61,7 @@ class Arm:
     run: Runner
     draft: DraftModel | None = None
     simulated: bool = False
+    policy: str = ""          # speculative arms: "adaptive" (the default policy) or "fixed" (full window)
 
     @property
     def block_size(self) -> int | None:
@@ -66,7 +69,9 @@ class Arm:
 
     @property
     def label(self) -> str:
-        return self.method if self.draft is None else f"{self.method} B={self.block_size}"
+        if self.draft is None:
+            return self.method
+        return f"{self.method} B={self.block_size}" + (f" {self.policy}" if self.policy else "")
 
 
 def accept_pattern(tau: float, num_drafts: int, start: int = 0) -> Iterator[int]:
@@ -108,6 +113,7 @@ class BenchSetup:
     seed: int
     ignore_eos: bool
     out_dir: Path
+    policies: tuple[str, ...] = ("adaptive",)   # speculative arms per draft: "adaptive" and / or "fixed"
 
     def params(self, temperature: float, count: int) -> list[SamplingParams]:
         """Per-prompt sampling settings: one seed per prompt (repeats reuse it and decode the same tokens)."""
@@ -115,10 +121,15 @@ class BenchSetup:
                                ignore_eos=self.ignore_eos) for i in range(count)]
 
 
-def _generate_runner(target: TargetModel, draft: DraftModel | None, method: str, rule: str) -> Runner:
-    """The product path: `generate` exactly as users call it."""
+def _generate_runner(target: TargetModel, draft: DraftModel | None, method: str, rule: str,
+                     adaptive: bool = False) -> Runner:
+    """The product path: `generate` exactly as users call it. adaptive: one adaptive
+    policy learns across the arm's requests, as in a server (fixed: full windows)."""
+    policy = (RoundPolicy.for_method(target, draft, method, rows=1) if adaptive and draft is not None
+              else FullWindow(draft.config.num_drafts if draft is not None else 0))
+
     def run(ids: list[int], params: SamplingParams) -> RunRecord:
-        out = generate(target, [ids], params, draft=draft, method=method, rule=rule)
+        out = generate(target, [ids], params, draft=draft, method=method, rule=rule, policy=policy)
         completion = out.completions[0]
         return RunRecord(len(completion.tokens), 0.0, completion.stats, out.timing, list(completion.tokens))
     return run
@@ -254,7 +265,9 @@ def build_arms(setup: BenchSetup, notes: list[str]) -> list[Arm]:
             continue
         for d in drafts:
             if setup.simulate_accept is None:
-                arms.append(Arm(method, _generate_runner(target, d, method, setup.rule), d))
+                for policy in setup.policies:
+                    runner = _generate_runner(target, d, method, setup.rule, adaptive=policy == "adaptive")
+                    arms.append(Arm(method, runner, d, policy=policy))
                 continue
             try:
                 runner = _simulated_runner(target, d, method, setup.simulate_accept, setup.rule)

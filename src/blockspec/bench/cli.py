@@ -14,7 +14,7 @@ from blockspec.config import DRAFT_METHODS
 from blockspec.bench.report import render_markdown
 from blockspec.bench.run import run_bench
 from blockspec.errors import BlockspecError
-from blockspec.options import add_device_flag, add_dtype_flag, add_rule_flag, add_target_flag
+from blockspec.options import add_adapt_flag, add_device_flag, add_dtype_flag, add_rule_flag, add_target_flag
 
 __all__ = ["add_bench_parser", "cmd_bench"]
 
@@ -56,6 +56,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
     add_rule_flag(p)
+    add_adapt_flag(p)
+    p.add_argument("--also-fixed", action="store_true",
+                   help="also run every speculative method with fixed full windows, next to the adaptive arms")
     p.add_argument("--cost-table", default=None, help="cost table JSON for dspark-scheduled (default: profile now)")
     p.add_argument("--concurrency", type=_csv(int), default=None,
                    help="also measure engine throughput at these concurrency levels, e.g. 1,4,16")
@@ -86,7 +89,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
                         args.max_new_tokens, args.limit, args.block_sizes, args.repeats, args.out,
                         args.simulate_accept, dtype=args.dtype, device=args.device, seed=args.seed,
                         ignore_eos=args.ignore_eos, rule=args.rule, cost_table=args.cost_table,
-                        concurrency=args.concurrency, progress=args.progress, every=args.every)
+                        concurrency=args.concurrency, progress=args.progress, every=args.every,
+                        policies=(("adaptive",) if args.adapt else ()) + (("fixed",) if args.also_fixed or not args.adapt
+                                                                          else ()))
     sys.stdout.write(render_markdown(results) + "\n")
     print(f"wrote {Path(args.out) / 'results.json'}, {Path(args.out) / 'results.md'} and "
           f"{len(results['plots'])} plot(s)", file=sys.stderr)

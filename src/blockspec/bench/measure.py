@@ -128,7 +128,7 @@ def collect_calibration(target: TargetModel, draft: DraftModel, prompts: Sequenc
         raise BlockspecError("calibration needs a draft with a confidence head")
     recorder = RoundRecorder()
     for ids, p in zip(prompts, params):
-        generate(target, [ids], p, draft=draft, rule=rule, observer=recorder)
+        generate(target, [ids], p, draft=draft, rule=rule, observer=recorder, adapt=False)
         if tick is not None:
             tick()
     pred, outcome = recorder.survival_outcomes()

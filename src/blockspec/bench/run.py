@@ -235,7 +235,7 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
               simulate_accept: float | None = None, *, dtype: str = "float32", device: str | None = None,
               seed: int = 0, ignore_eos: bool = False, rule: str = "rejection",
               cost_table: str | Path | None = None, concurrency: Sequence[int] | None = None,
-              progress: bool = True, every: int = 1) -> dict[str, Any]:
+              progress: bool = True, every: int = 1, policies: Sequence[str] = ("adaptive",)) -> dict[str, Any]:
     """Benchmark every method on every dataset and temperature; write JSON, Markdown and PNGs.
 
     drafts: {"dflash": DIR, "dspark": DIR} (either may be absent / None).
@@ -243,9 +243,12 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
     methods: subset of METHODS (default: ar + every method with a draft).
     every: take every `every`-th prompt of each dataset (then the first `limit` of those).
     block_sizes: draft block sizes to sweep, each in its draft's own layout
-    convention (default: as trained). Returns the results dict (also in
-    out_dir/results.json)."""
+    convention (default: as trained). policies: how each speculative method runs,
+    "adaptive" (the default policy) and / or "fixed" (full windows). Returns the
+    results dict (also in out_dir/results.json)."""
     _check_args(temperatures, max_new_tokens, limit, repeats, block_sizes, rule, every)
+    if not policies or any(p not in ("adaptive", "fixed") for p in policies):
+        raise BlockspecError(f"policies must be 'adaptive' and / or 'fixed', got {list(policies)}")
     notes: list[str] = []
     method_list = _resolve_methods(methods, drafts, notes)
     dev = resolve_device(device)
@@ -256,7 +259,7 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
     max_model_len = max(len(ids) for _, prompt_ids in sets.values() for ids in prompt_ids) + max_new_tokens
     setup = BenchSetup(Path(target_dir), target, loaded, method_list, list(block_sizes) if block_sizes else None,
                        simulate_accept, rule, max_model_len, cost_table, [float(t) for t in temperatures],
-                       max_new_tokens, repeats, seed, ignore_eos, Path(out_dir))
+                       max_new_tokens, repeats, seed, ignore_eos, Path(out_dir), tuple(policies))
     arms = build_arms(setup, notes)
     if simulate_accept is not None:
         notes.append(f"simulated acceptance: tau forced to {simulate_accept} per round; outputs are NOT lossless")

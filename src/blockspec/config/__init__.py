@@ -13,9 +13,10 @@ from blockspec.config.common import (DRAFT_METHODS, LIMITS, METHODS, RULES, SUPP
                                      SUPPORTED_TARGET_TYPES, read_json)
 from blockspec.config.draft import DRAFT_HEAD_KEYS, LAYOUTS, MARKOV_TYPES, DraftConfig
 from blockspec.config.rope import RopeConfig
-from blockspec.config.sampling import SAMPLING_EPS, GenerationDefaults, SamplingParams
+from blockspec.config.sampling import (SAMPLING_EPS, TEMPERATURE_BANDS, GenerationDefaults, SamplingParams,
+                                       temperature_band)
 from blockspec.config.target import TargetConfig
 
 __all__ = ["DRAFT_HEAD_KEYS", "DRAFT_METHODS", "LAYOUTS", "LIMITS", "MARKOV_TYPES", "METHODS", "RULES",
-           "SAMPLING_EPS", "SUPPORTED_ROPE_TYPES", "SUPPORTED_TARGET_TYPES", "DraftConfig", "GenerationDefaults",
-           "RopeConfig", "SamplingParams", "TargetConfig", "read_json"]
+           "SAMPLING_EPS", "SUPPORTED_ROPE_TYPES", "SUPPORTED_TARGET_TYPES", "TEMPERATURE_BANDS", "DraftConfig",
+           "GenerationDefaults", "RopeConfig", "SamplingParams", "TargetConfig", "read_json", "temperature_band"]

@@ -11,6 +11,17 @@ from blockspec.config.common import read_json, require
 from blockspec.errors import BlockspecError
 
 SAMPLING_EPS = 1e-5
+# Upper edges (inclusive) of the sampled temperature bands; band 0 is greedy. Acceptance
+# falls steeply with temperature, so the drafting policy learns each band apart: a mix of
+# greedy and sampled requests must not make greedy rows stop drafting.
+TEMPERATURE_BANDS = (0.5, 1.0)
+
+
+def temperature_band(temperature: float) -> int:
+    """0 for greedy, then 1, 2, ... for temperatures up to each TEMPERATURE_BANDS edge, and one past them."""
+    if temperature < SAMPLING_EPS:
+        return 0
+    return 1 + sum(temperature > edge for edge in TEMPERATURE_BANDS)
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def band(self) -> int:
+        """The temperature band whose acceptance the drafting policy learns for this request."""
+        return temperature_band(self.temperature)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse stop_token_ids the model can never produce (ids >= vocab_size): such a

@@ -281,7 +281,8 @@ def profile_cost_table(target: TargetModel, ns: list[int], repeats: int = 5, *, 
     if ns[0] < 1:
         raise BlockspecError("profile_cost_table: every n must be >= 1")
     device = target.device
-    cache = target.new_cache(rows, context + ns[-1] + 1)
+    per_row = max(-(-n // min(n, rows)) for n in ns)   # the most tokens one row receives
+    cache = target.new_cache(rows, context + per_row + 1)
     gen = torch.Generator().manual_seed(seed)
     times = []
     for n in ns:

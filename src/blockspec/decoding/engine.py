@@ -75,37 +75,27 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, max
 class Engine:
     """Continuous-batching speculative decoding over a fixed KV slot pool.
 
-    method: "ar" | "dflash" | "dspark"; scheduled: DSpark confidence scheduling
-    with `cost_table` (no table: verify every draft). The KV memory plan
-    (decoding/memory.py): rows = min(max_running, slots that fit in the budget:
-    kv_memory_gb GiB of target + draft KV, else gpu_memory_utilization (default
-    0.9) x the device's memory less what is in use); each slot holds max_model_len
-    positions (default: the target's supported length, capped to what fits).
-    min_survival (scheduled): drafts whose prefix survival is below it are neither
-    drafted nor verified.
-    draft_gate: skip drafting, or draft a shorter block, in rounds where the cost
-    table (with draft times) predicts it is faster (`policy.DraftGate`); None = on
-    for scheduled DSpark given such a table. With dflash / unscheduled dspark the
-    drafting rows verify the full window and the gate learns from their measured
-    acceptance. gate_feedback: the gate scales the table by the measured wall time
-    of finished rounds; off, it trusts the table alone (for tables in other units
-    than this machine's seconds, as in tests).
-    calibrate_confidence (scheduled): rescale the confidence head online by the
-    verified outcomes (`policy.ConfidenceCalibration`); off, trust the head as
-    shipped (e.g. calibrated offline for this decoding mode). prefill_chunk_tokens: longer prompts are
-    prefilled that many tokens per step (`prefill_chunks`; None: 2048 on CUDA, 512 on CPU)."""
+    method: "ar" | "dflash" | "dspark". The round policy (`RoundPolicy.for_method`
+    with adapt, scheduled, draft_gate, cost_table, min_survival, gate_feedback,
+    calibrate_confidence): adaptive by default (per temperature band, draft or not
+    and how long a block; DSpark's scheduled verify lengths; the cost table measured
+    once per machine and model pair). Memory (`memory.plan_for_models`): rows =
+    min(max_running, slots that fit kv_memory_gb, else gpu_memory_utilization of
+    the free memory); slots of max_model_len positions. prefill_chunk_tokens:
+    longer prompts are prefilled that many tokens per step (`prefill_chunks`;
+    None: 2048 on CUDA, 512 on CPU)."""
 
     # Benchmarks only (simulated acceptance, NOT lossless): rows -> accepted-draft counts imposed
     # on the round (clamped to what each row verified); None: the acceptance rule decides.
     forced_acceptance: Callable[[int], torch.Tensor] | None = None
 
     def __init__(self, target: TargetModel, draft: DraftModel | None = None, method: str = "ar",
-                 scheduled: bool = False, max_running: int = 32, kv_memory_gb: float | None = None,
+                 scheduled: bool | None = None, max_running: int = 32, kv_memory_gb: float | None = None,
                  max_model_len: int | None = None, cost_table: CostTable | None = None,
                  rule: str = "rejection", tokenizer: Detokenizer | None = None,
                  min_survival: float = 0.02, draft_gate: bool | None = None, gate_feedback: bool = True,
                  calibrate_confidence: bool = True, gpu_memory_utilization: float | None = None,
-                 prefill_chunk_tokens: int | None = None) -> None:
+                 adapt: bool = True, prefill_chunk_tokens: int | None = None) -> None:
         check_method(method, draft)
         chunk = chunk_size(prefill_chunk_tokens, target.device)
         if rule not in RULES:
@@ -114,8 +104,8 @@ class Engine:
         self.draft = draft if method != "ar" else None
         if self.draft is not None:
             self.draft.config.check_target(target.config)
-        self.policy = RoundPolicy.for_engine(target, self.draft, method, cost_table, scheduled=scheduled,
-                                             draft_gate=draft_gate, min_survival=min_survival,
+        self.policy = RoundPolicy.for_method(target, self.draft, method, cost_table, adapt=adapt, rows=max_running,
+                                             scheduled=scheduled, draft_gate=draft_gate, min_survival=min_survival,
                                              gate_feedback=gate_feedback, calibrate=calibrate_confidence)
         # Slots x length from the memory free now (the weights are loaded): never
         # max_running x max_position_embeddings blindly.
@@ -314,10 +304,13 @@ class Engine:
         """One round for every running request, then their tokens streamed."""
         t_start = time.perf_counter()
         reqs = self._running
+        with self._lock:   # band order, greedy first: drafting rows are a prefix
+            for a, b in self.slots.order_by_band([q.params.band for q in reqs]):
+                reqs[a], reqs[b] = reqs[b], reqs[a]
         view, draft_view = self.slots.views(0, len(reqs))
         anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.long, device=self.target.device)
         batch = RoundInputs(self.target, self.draft, view, draft_view, self.slots.pending, anchors,
-                            self._sampler(reqs))
+                            self._sampler(reqs), [q.params.band for q in reqs])
         forced = self.forced_acceptance(len(reqs)) if self.forced_acceptance is not None else None
         outcome = speculative_round(batch, self.policy, rule=self.rule, packed=True, forced=forced)
         for i, req in enumerate(reqs):

@@ -17,12 +17,16 @@ from blockspec.config import METHODS, SamplingParams
 from blockspec.decoding.acceptance import tau
 from blockspec.decoding.captured import captured_steps
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
-from blockspec.decoding.policy import FullWindow
-from blockspec.decoding.round import DirectContext, RoundInputs, RoundOutcome, prefill, speculative_round
+from blockspec.decoding.policy import FullWindow, RoundPolicy
+from blockspec.decoding.round import RoundInputs, RoundOutcome, prefill, speculative_round
 from blockspec.decoding.sampling import RowSampler
+from blockspec.decoding.slots import PendingContext
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
+
+# Target features a row may buffer before the draft must absorb them (AR stretches of the adaptive policy).
+PENDING_POSITIONS = 64
 
 __all__ = ["Completion", "GenerationOutput", "RequestStats", "RoundObserver", "Timing", "generate"]
 
@@ -84,7 +88,8 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
              draft: DraftModel | None = None, method: str | None = None, rule: str = "rejection",
              on_tokens: Callable[[int, list[int]], None] | None = None, compile: bool = False, *,
              tokenizer: Detokenizer | None = None, observer: RoundObserver | None = None,
-             forced_acceptance: Iterator[int] | None = None) -> GenerationOutput:
+             forced_acceptance: Iterator[int] | None = None, adapt: bool = True,
+             policy: RoundPolicy | FullWindow | None = None) -> GenerationOutput:
     """Generate for a batch of tokenised prompts. `on_tokens(row, tokens)` streams output.
 
     compile: speculative methods (and AR on CUDA) run the round's forwards as captured
@@ -94,7 +99,12 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     tokenizer: needed for stop strings (`SamplingParams.stop`); completions then carry text.
     observer: sees every round's outcome (calibration, traces).
     forced_acceptance: accepted-draft counts imposed round after round on every row
-    (the bench's simulated acceptance; NOT lossless)."""
+    (the bench's simulated acceptance; NOT lossless; drafts the full window).
+    adapt (default): speculative methods run the adaptive policy
+    (`RoundPolicy.for_method`: the draft gate per temperature band, DSpark's
+    scheduler, the cost table measured once per machine and cached); off: every
+    round drafts and verifies the full window. policy: a policy to use (and keep
+    learning in) instead, e.g. one shared by successive calls as a server would."""
     method = method or ("ar" if draft is None else ("dspark" if draft.config.is_dspark else "dflash"))
     check_method(method, draft)
     draft = None if method == "ar" else draft
@@ -107,19 +117,24 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     if forced_acceptance is not None and draft is None:
         raise BlockspecError("forced acceptance needs a speculative method")
     states = [RequestOutputState(p, target.config.eos_token_id, tokenizer) for p in params]
-    batch = _start(target, draft, prompts, params, compile)
+    if policy is None:
+        policy = _default_policy(target, draft, method, len(prompts), adapt and forced_acceptance is None)
+    # Rows in temperature-band order (greedy first): a round's drafting rows are a prefix.
+    active = sorted(range(len(prompts)), key=lambda i: params[i].band)
+    batch = _start(target, draft, [prompts[i] for i in active], [params[i] for i in active],
+                   compile)
     timing = Timing(prefill_s=batch.prefill_s)
-    active = list(range(len(prompts)))
-    for r, tok in enumerate(batch.inputs.anchors.tolist()):
+    for r, tok in zip(active, batch.inputs.anchors.tolist()):
         _emit(states[r], r, [tok], on_tokens)
-    policy = FullWindow(draft.config.num_drafts if draft is not None else 0)
     while True:
         active = _drop_finished(batch.inputs, active, states)
         if not active:
             break
+        batch.inputs.bands = [params[r].band for r in active]
         forced = None
         if forced_acceptance is not None:
             forced = torch.full((len(active),), next(forced_acceptance), device=target.device)
+        t_round = time.perf_counter()
         outcome = speculative_round(batch.inputs, policy, rule=rule, forced=forced)
         timing.draft_s += outcome.draft_s
         timing.verify_s += outcome.plan_s + outcome.verify_s
@@ -127,9 +142,17 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
         for i, r in enumerate(active):
             states[r].record_round(outcome.verified[i], outcome.accepted[i])
             _emit(states[r], r, outcome.new_tokens(i), on_tokens)
+        policy.observe_time(len(active), outcome, time.perf_counter() - t_round)   # bookkeeping included
         if observer is not None:
             observer.on_round(outcome, active)
     return GenerationOutput([s.completion() for s in states], timing)
+
+
+def _default_policy(target: TargetModel, draft: DraftModel | None, method: str, rows: int,
+                    adapt: bool) -> RoundPolicy | FullWindow:
+    if draft is None or not adapt:
+        return FullWindow(draft.config.num_drafts if draft is not None else 0)
+    return RoundPolicy.for_method(target, draft, method, rows=rows)
 
 
 @dataclass
@@ -156,11 +179,14 @@ def _start(target: TargetModel, draft: DraftModel | None, prompts: list[list[int
         cache, draft_cache = captured.new_caches(len(prompts), capacity, capacity + width)
     else:
         cache = target.new_cache(len(prompts), capacity)
-        draft_cache = draft.new_cache(len(prompts), capacity + width) if draft is not None else None
+        draft_cache = draft.new_cache(len(prompts), capacity + width + PENDING_POSITIONS) if draft is not None else None
     sampler = RowSampler.from_params(params, target.device)
     t0 = time.perf_counter()
     anchors = prefill(target, cache, prompts, sampler, draft, draft_cache)
-    context = DirectContext(draft, draft_cache) if draft is not None and draft_cache is not None else None
+    # Rounds that do not draft buffer their target features; the draft turns them into
+    # context K/V in one batch right before it next drafts (`PendingContext`).
+    context = (PendingContext(draft, draft_cache, PENDING_POSITIONS)
+               if draft is not None and draft_cache is not None else None)
     if captured is not None and draft is not None:
         context = captured.context()
     return _Batch(RoundInputs(target, draft, cache, draft_cache, context, anchors, sampler, captured=captured),
@@ -180,6 +206,8 @@ def _drop_finished(batch: RoundInputs, active: list[int], states: list[RequestOu
     if len(keep) == len(active) or not keep:
         return [active[i] for i in keep]
     index = torch.tensor(keep, device=batch.anchors.device)
+    if batch.context is not None:   # buffered draft context leaves the buffer before rows move
+        batch.context.flush(len(active))
     if batch.captured is not None:   # its buffers stay put: compiled graphs hold their addresses
         batch.cache, batch.draft_cache = batch.captured.keep_rows(keep)
     else:

@@ -1,222 +1,28 @@
 """The round policy (docs/design.md section 5): who drafts, how long a block, how many
 drafts each row verifies, and what each round teaches.
 
-`plan` is DSpark's prefix scheduler: it admits draft slots in descending order
-of prefix survival while the expected throughput tau* / T(n) keeps improving,
-and stops at the first slot that does not improve it (the early stop is what
-keeps sampling lossless). `DraftGate` picks each round's block length, or a
-plain AR round, under load. `ConfidenceCalibration` rescales the confidence
-head online from verified outcomes. `RoundPolicy` owns all three and the
-DSpark early stop; `FullWindow` is the policy of plain speculative decoding.
+`RoundPolicy` owns DSpark's planner (`planner.plan`), the draft gate
+(`gate.DraftGate`: draft or not, which temperature bands, how long a block),
+online recalibration of the confidence head (`ConfidenceCalibration`) and the
+DSpark early stop. `RoundPolicy.adaptive` is the default of every speculative
+path; `FullWindow` is plain speculative decoding (`--no-adapt`).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 
 from blockspec.decoding.cost_table import CostTable
+from blockspec.decoding.gate import DraftGate
+from blockspec.decoding.planner import plan
 from blockspec.decoding.round import ConfidenceMap, Proposal, RoundOutcome
+from blockspec.decoding.table_cache import cached_cost_table
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
-
-def plan(survival: torch.Tensor, table: CostTable | None, draft_time_s: float = 0.0,
-         min_survival: float = 0.0, base_rows: int | None = None) -> torch.Tensor:
-    """Drafts to verify per request, [R] long (docs/design.md section 5, DSpark Algorithm 1).
-
-    survival [R, g]: prefix survival a_{r,j} = prod_{i<=j} c_{r,i}, non-increasing in j.
-    Start from anchors only (n = R, tau* = R); admit slots in descending survival
-    (ties: smaller j, then smaller r) while the round's expected throughput
-    tau* / (draft_time_s + T(n)) strictly improves, and stop at the first slot that
-    does not improve it. draft_time_s is the round's draft cost, already spent when
-    the plan is made: it is part of the round's time, so a costly draft makes
-    verifying more of what it proposed worth it (0: the paper's tau* * SPS(n)).
-    Slots whose survival is below min_survival are never admitted (a floor that
-    depends only on the slot's own survival, so `propose` may skip drafting them).
-    base_rows (>= R): rows in the verify forward, when only the first R of them
-    drafted this round (the others verify their anchor only). No table: verify
-    every draft."""
-    r, g = survival.shape
-    if table is None or g == 0 or r == 0:
-        return torch.full((r,), g, dtype=torch.long, device=survival.device)
-    flat = survival.detach().to("cpu", torch.float64).t().reshape(-1)  # index j*R + r
-    order = torch.sort(flat, descending=True, stable=True).indices       # stable: ties by (j, r)
-    base = r if base_rows is None else base_rows
-    admitted, _ = admit(flat[order].tolist(), base, table.times_upto(base + r * g), draft_time_s, min_survival)
-    lens = torch.bincount(order[:admitted] % r, minlength=r)
-    return lens.to(survival.device)
-
-
-def admit(survivals: list[float], base_rows: int, times: list[float], draft_time_s: float,
-          min_survival: float) -> tuple[int, float]:
-    """The planner's admission rule over slots already in admission order (descending
-    survival): admit while tau* / (draft time + T(base_rows + admitted)) strictly
-    improves and the slot's survival is at least min_survival; stop at the first slot
-    that fails (the early stop is a correctness rule: x_j's own admission may not
-    depend on x_j, so no global argmax over cut points). times: T(0), T(1), ...
-    Returns (admitted slots, expected tokens tau*)."""
-    tau = float(base_rows)
-    value = tau / (draft_time_s + times[base_rows])
-    for n, s in enumerate(survivals):
-        nxt = (tau + s) / (draft_time_s + times[base_rows + n + 1])
-        if s < min_survival or not nxt > value:
-            return n, tau
-        tau, value = tau + s, nxt
-    return len(survivals), tau
-
-
-class DraftGate:
-    """Which running requests draft this round (all, none, or a few to explore), and
-    how long a block they draft.
-
-    Under load a draft forward plus a wider verify can cost more than it returns
-    even when the planner trims the window; when a plain AR round (every request
-    verifies its anchor only) is expected to produce more tokens per second, the
-    round skips the draft. A draft's cost grows with its block (every block slot
-    runs through every draft layer), and the first slots are the likeliest to be
-    accepted, so under load a shorter block can pay where the full one does not:
-    the gate prices each block length the table has draft times for
-    (`CostTable.draft_slot_counts`) and drafts the best. Each decision asks `plan`
-    itself: with every running request drafting a block of s slots and showing
-    the running mean survival curve of past drafting rows (their measured
-    acceptance, and the confidences past what they verified), what would the
-    planned round deliver per second, counting the draft time? Measuring is
-    cheap: until the first measurement, and after
-    `explore_every` undrafted rounds in a row, only the first `explore_rows`
-    requests draft, a full block (a small draft forward that measures every
-    slot); each exploration that does not win the gate back doubles that interval
-    (up to 8x), so a load where drafting never pays spends little on it, while
-    the estimate still follows the text. The curve is a running mean over
-    request-rounds, not rounds: a round moves each slot it drafted by
-    1 - momentum ** (drafting rows / explore_rows), so one request's round at
-    batch 1 is one noisy sample among many, and even a round of 32 drafting rows
-    moves it by a third (about 80 request-rounds of memory: a shorter one lets a
-    few unlucky rounds flip the decision); slots a shorter block did not draft
-    keep their last estimate. It starts from full survival (an optimistic prior:
-    at batch 1 a few hard tokens at the start of a completion must not switch
-    drafting off for the easy ones after them).
-    Decisions use only past rounds, never the current round's draws,
-    and undrafted rows are lossless AR steps, so the output distribution is
-    unchanged; the draft context still grows for every row (its features come
-    from the verify forward; the engine buffers them until the row drafts).
-
-    full_window: the drafting rows verify every draft of their block (DFlash,
-    DSpark unscheduled) instead of the planned lengths (no confidence head needed).
-
-    The table prices forward passes only, profiled apart from the engine. `observe`
-    feeds back each finished round's wall time (per-row bookkeeping, sampling and
-    context upkeep included); the gate then scales the table's predictions by the
-    running ratio measured / predicted, kept apart for drafting and AR rounds and
-    per row count, so it compares the rates the engine really achieves."""
-
-    def __init__(self, table: CostTable, window: int, momentum: float = 0.95, explore_every: int = 8,
-                 min_survival: float = 0.0, explore_rows: int = 4, full_window: bool = False,
-                 cost_momentum: float = 0.9) -> None:
-        if explore_every < 1:
-            raise BlockspecError("explore_every must be >= 1")
-        if window < 1:
-            raise BlockspecError("the draft window must be >= 1")
-        self.full_window = full_window
-        self.table, self.window, self.momentum = table, window, momentum
-        self.explore_every, self.min_survival, self.explore_rows = explore_every, min_survival, explore_rows
-        self.cost_momentum = cost_momentum
-        # Block lengths to price: the table's measured ones below the window, and the window.
-        self.block_choices = [s for s in table.draft_slot_counts if s < window] + [window]
-        self.survival: torch.Tensor | None = None   # [window] mean prefix survival; None: unmeasured
-        self.skipped = 0                         # undrafted rounds since the last drafting round
-        self.interval = explore_every            # current exploration interval (backs off)
-        self._plans: dict[int, tuple[float, float, int, float]] = {}   # by rows, until the next update
-        # Measured / predicted round time: by (drafting, rows) and by drafting alone.
-        self._ratio: dict[tuple[bool, int], float] = {}
-        self._ratio_any: dict[bool, float] = {}
-
-    def expected_rates(self, rows: int) -> tuple[float, float, int]:
-        """(speculative, AR) expected tokens per second for `rows` running requests, and
-        the block length (in drafts) of the speculative rate: the table's best plan
-        (memoised until the next `update`, so in AR stretches the gate costs a lookup)
-        at the round times measured so far."""
-        if rows not in self._plans:
-            self._plans[rows] = self._plan(rows)
-        tokens, t_spec, block, t_ar = self._plans[rows]
-        return tokens / (t_spec * self.cost_ratio(True, rows)), rows / (t_ar * self.cost_ratio(False, rows)), block
-
-    def cost_ratio(self, drafting: bool, rows: int) -> float:
-        """Measured / table round time for this kind of round (1.0 before any measurement)."""
-        return self._ratio.get((drafting, rows), self._ratio_any.get(drafting, 1.0))
-
-    def _plan(self, rows: int) -> tuple[float, float, int, float]:
-        """(expected tokens, table time, block length) of the best round where every row
-        drafts, and the table time of an AR round."""
-        curve = torch.ones(self.window, dtype=torch.float64) if self.survival is None else self.survival
-        # Slots measured in different rounds: keep it a prefix survival (never rising).
-        survival = torch.cummin(curve, 0).values.tolist()
-        times = self.table.times_upto(rows * (self.window + 1))
-        best: tuple[float, float, int] | None = None
-        for block in self.block_choices:
-            t_draft = self.table.draft_time(rows, slots=block)
-            if self.full_window:
-                tokens, n = rows * (1.0 + sum(survival[:block])), rows * block
-            else:   # plan() for rows that all show this curve: slot by slot, row by row
-                n, tokens = admit([s for s in survival[:block] for _ in range(rows)], rows, times, t_draft,
-                                  self.min_survival)
-            t_spec = t_draft + times[rows + n]
-            if best is None or tokens / t_spec > best[0] / best[1]:
-                best = (tokens, t_spec, block)
-        assert best is not None
-        return (*best, times[rows])
-
-    def observe(self, rows: int, drafting_rows: int, slots: int, verified_drafts: int, seconds: float) -> None:
-        """A finished round's wall time: `rows` running requests, of which the first
-        `drafting_rows` drafted a block of `slots` slots, verifying `verified_drafts` drafts in all."""
-        predicted = self.table.time(rows + verified_drafts)
-        if drafting_rows:
-            predicted += self.table.draft_time(drafting_rows, slots=slots)
-        ratio = seconds / max(predicted, 1e-9)
-        drafting = drafting_rows > 0
-        m = self.cost_momentum
-        # A drafting round is keyed by its drafting rows: exploration rounds (a few
-        # rows) do not stand in for rounds where everyone drafts.
-        key = (drafting, drafting_rows if drafting else rows)
-        self._ratio[key] = ratio if key not in self._ratio else m * self._ratio[key] + (1 - m) * ratio
-        self._ratio_any[drafting] = (ratio if drafting not in self._ratio_any
-                                     else m * self._ratio_any[drafting] + (1 - m) * ratio)
-
-    def decide(self, rows: int) -> tuple[int, int]:
-        """(requests that draft, block length in drafts): (0, 0) is an AR round, a few
-        rows with the full window explore, `rows` with the best block is everyone drafting."""
-        if not self.table.has_draft_times or rows == 0:
-            return rows, self.window
-        explore = (min(rows, self.explore_rows), self.window)
-        if self.survival is None:
-            return explore
-        spec, ar, block = self.expected_rates(rows)
-        if spec > ar:
-            self.skipped, self.interval = 0, self.explore_every
-            return rows, block
-        if self.skipped + 1 >= self.interval:   # explore
-            self.skipped = 0
-            self.interval = min(2 * self.interval, 8 * self.explore_every)
-            return explore
-        self.skipped += 1
-        return 0, 0
-
-    def update(self, survival: torch.Tensor, block: int | None = None) -> None:
-        """Record a drafting round's prefix survival [k, g'] over a block of `block`
-        >= g' slots (default g'; DSpark may stop sampling before the block's end: its
-        slots g'.. count as 0); slots past the block keep their estimate."""
-        if survival.numel() == 0:
-            return
-        self._plans.clear()
-        block = min(survival.shape[1] if block is None else block, self.window)
-        curve = torch.zeros(block, dtype=torch.float64)
-        mean = survival.detach().to("cpu", torch.float64).mean(0)[:block]
-        curve[:mean.shape[0]] = mean
-        keep = self.momentum ** (survival.shape[0] / self.explore_rows)
-        self.survival = (torch.ones(self.window, dtype=torch.float64) if self.survival is None
-                         else self.survival.clone())
-        self.survival[:block] = keep * self.survival[:block] + (1 - keep) * curve
 
 
 class ConfidenceCalibration:
@@ -265,6 +71,8 @@ class ConfidenceCalibration:
 # rarely fall below the floor together, and slot-by-slot lm_head calls and checks
 # cost more than one lm_head call for the block (`plan` applies the floor anyway).
 EARLY_STOP_ROWS = 8
+# AR rounds the gate measures before its first decision (with round times fed back).
+WARM_AR_ROUNDS = 3
 
 
 class FullWindow:
@@ -273,8 +81,8 @@ class FullWindow:
     def __init__(self, window: int) -> None:
         self.window = window
 
-    def decide(self, rows: int) -> tuple[int, int]:
-        return rows, self.window
+    def decide(self, bands: Sequence[int]) -> tuple[int, int]:
+        return len(bands), self.window
 
     def stop_below(self, rows: int) -> float:
         return 0.0
@@ -288,11 +96,14 @@ class FullWindow:
     def observe(self, outcome: RoundOutcome, proposal: Proposal | None, lens: torch.Tensor | None) -> None:
         pass
 
+    def observe_time(self, rows: int, outcome: RoundOutcome, seconds: float) -> None:
+        pass
+
 
 class RoundPolicy:
-    """The engine's drafting decisions, in one object: the draft gate (who drafts, how
-    long a block: `DraftGate`), DSpark's planner (how many drafts each row verifies:
-    `plan`, with the cost table), online recalibration of the confidence head
+    """Drafting decisions in one object: the draft gate (who drafts, how long a block:
+    `DraftGate`), DSpark's planner (how many drafts each row verifies: `plan`, with
+    the cost table), online recalibration of the confidence head per temperature band
     (`ConfidenceCalibration`) and the early stop of drafting, which applies the
     planner's floor to the same recalibrated survival the planner uses.
 
@@ -311,19 +122,33 @@ class RoundPolicy:
                                  "(blockspec profile --draft ...)")
         self.window, self.min_survival = window, float(min_survival)
         self.table = table if scheduled else None
-        self.gate = (DraftGate(table, window, min_survival=self.min_survival, full_window=not scheduled)
+        self.gate = (DraftGate(table, window, min_survival=self.min_survival, full_window=not scheduled,
+                               warm_ar_rounds=WARM_AR_ROUNDS if gate_feedback else 0)
                      if gate and table is not None else None)
         self.gate_feedback = gate_feedback
-        self.calibration = (ConfidenceCalibration(window) if calibrate and self.table is not None and window
-                            else None)
+        self.calibrate = calibrate and self.table is not None and window > 0
+        self.calibrations: dict[int, ConfidenceCalibration] = {}   # by temperature band
+        self._bands: list[int] = []   # the bands of the rows of the round in progress
 
     @classmethod
-    def for_engine(cls, target: TargetModel, draft: DraftModel | None, method: str, table: CostTable | None, *,
-                   scheduled: bool, draft_gate: bool | None, min_survival: float, gate_feedback: bool,
-                   calibrate: bool) -> "RoundPolicy":
-        """The policy of an engine running `method` (draft None for AR); draft_gate None:
-        on for scheduled DSpark given a table with draft times. Checks that the table
+    def for_method(cls, target: TargetModel, draft: DraftModel | None, method: str, table: CostTable | None = None,
+                   *, adapt: bool = True, rows: int = 1, scheduled: bool | None = None,
+                   draft_gate: bool | None = None, min_survival: float = 0.02, gate_feedback: bool = True,
+                   calibrate: bool = True) -> "RoundPolicy":
+        """The policy of a decoding loop running `method` (draft None for AR) over up to
+        `rows` rows. adapt (the default): without a table, the cost table of this machine
+        and model pair comes from the cache (measured the first time:
+        `table_cache.cached_cost_table`); scheduled (None) is on for DSpark with a
+        confidence head and draft_gate (None) for every speculative method. adapt off:
+        fixed windows unless scheduled / draft_gate say otherwise. Checks that the table
         was measured for this target."""
+        speculative = draft is not None and method != "ar"
+        if adapt and speculative and table is None:
+            assert draft is not None
+            table = cached_cost_table(target, draft, rows)
+        if scheduled is None:
+            scheduled = (adapt and speculative and method == "dspark" and draft is not None
+                         and draft.confidence_head is not None and table is not None)
         if scheduled:
             if method != "dspark" or draft is None or draft.confidence_head is None:
                 raise BlockspecError("scheduled verification needs method 'dspark' and a draft with a "
@@ -331,10 +156,10 @@ class RoundPolicy:
             if table is None:
                 warnings.warn("scheduled=True without a cost table: every draft is verified", stacklevel=4)
         if draft_gate is None:
-            draft_gate = scheduled and table is not None and table.has_draft_times
+            draft_gate = (adapt or scheduled) and speculative and table is not None and table.has_draft_times
         if table is not None and (scheduled or draft_gate):
             table.check_target(target)
-        window = draft.config.num_drafts if draft is not None else 0
+        window = draft.config.num_drafts if speculative and draft is not None else 0
         return cls(window, table, scheduled=scheduled, gate=draft_gate, min_survival=min_survival,
                    gate_feedback=gate_feedback, calibrate=calibrate)
 
@@ -342,16 +167,36 @@ class RoundPolicy:
     def scheduled(self) -> bool:
         return self.table is not None
 
-    def decide(self, rows: int) -> tuple[int, int]:
+    @property
+    def adaptive(self) -> bool:
+        return self.gate is not None
+
+    def decide(self, bands: Sequence[int]) -> tuple[int, int]:
+        """(first k rows that draft, block length): rows come ordered by temperature band."""
+        self._bands = list(bands)
         if self.window == 0:
             return 0, 0
-        return (rows, self.window) if self.gate is None else self.gate.decide(rows)
+        return (len(bands), self.window) if self.gate is None else self.gate.decide(self._bands)
 
     def stop_below(self, rows: int) -> float:
         return self.min_survival if self.scheduled and rows < EARLY_STOP_ROWS else 0.0
 
     def confidence_map(self) -> ConfidenceMap | None:
-        return self.calibration.apply if self.calibration is not None else None
+        return self._calibrated if self.calibrate else None
+
+    def _calibration(self, band: int) -> ConfidenceCalibration:
+        if band not in self.calibrations:
+            self.calibrations[band] = ConfidenceCalibration(self.window)
+        return self.calibrations[band]
+
+    def _calibrated(self, confidence: torch.Tensor, first_slot: int) -> torch.Tensor:
+        """Each drafting row's confidences rescaled by its own band's calibration."""
+        bands = self._bands[:confidence.shape[0]] or [0]
+        if len(set(bands)) == 1:
+            return self._calibration(bands[0]).apply(confidence, first_slot)
+        s = confidence.shape[1]
+        scale = torch.stack([self._calibration(b).scale[first_slot:first_slot + s] for b in bands])
+        return (confidence.double() * scale.to(confidence.device)).clamp(max=1.0)
 
     def plan(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
         """Drafts each of the `rows` running requests verifies (zero for those that did
@@ -372,17 +217,23 @@ class RoundPolicy:
 
     def observe(self, outcome: RoundOutcome, proposal: Proposal | None, lens: torch.Tensor | None) -> None:
         """Learn from a finished round: confidences against what was verified and
-        accepted (recalibration), and the drafting rows' survival (the gate)."""
+        accepted (recalibration, per band), and the drafting rows' survival (the gate)."""
         k = outcome.drafting_rows
         if proposal is None or lens is None or k == 0:   # lens is None exactly when nobody drafted
             return
         accepted = torch.tensor(outcome.accepted[:k])
         verified = lens[:k].cpu()
-        if self.calibration is not None and outcome.raw_confidence is not None:
-            self.calibration.observe(outcome.raw_confidence.cpu(), verified, accepted)
+        bands = self._bands[:k] if len(self._bands) >= k else [0] * k
+        if self.calibrate and outcome.raw_confidence is not None:
+            raw = outcome.raw_confidence.cpu()
+            band_of = torch.tensor(bands)
+            for band in sorted(set(bands)):
+                rows = band_of == band
+                self._calibration(band).observe(raw[rows], verified[rows], accepted[rows])
         if self.gate is not None:
             confidence = proposal.confidence[:k].cpu() if proposal.confidence is not None else None
-            self.gate.update(measured_survival(proposal.tokens.shape[1], confidence, verified, accepted), outcome.block)
+            survival = measured_survival(proposal.tokens.shape[1], confidence, verified, accepted)
+            self.gate.update(survival, outcome.block, bands)
 
     def observe_time(self, rows: int, outcome: RoundOutcome, seconds: float) -> None:
         """A finished round's wall time, bookkeeping included (the gate's cost feedback)."""

@@ -14,11 +14,13 @@ decoding is the same round with zero drafts.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
+from blockspec.config import temperature_band
 from blockspec.decoding.captured import CapturedSteps
 from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify
 from blockspec.models.draft import DraftModel
@@ -266,8 +268,9 @@ class RoundPolicy(Protocol):
     """Drafting decisions of a round (decoding/policy.py): who drafts how long a block,
     how many drafts each row verifies, and what the round taught."""
 
-    def decide(self, rows: int) -> tuple[int, int]:
-        """(first k rows that draft, block length in drafts); (0, 0): an AR round."""
+    def decide(self, bands: Sequence[int]) -> tuple[int, int]:
+        """(first k rows that draft, block length in drafts) for rows of these temperature
+        bands (`config.temperature_band`, rows ordered by band); (0, 0): an AR round."""
 
     def stop_below(self, rows: int) -> float:
         """Early-stop floor for drafting `rows` rows (0: draft every slot)."""
@@ -313,6 +316,7 @@ class RoundInputs:
     context: DraftContext | None
     anchors: torch.Tensor
     sampler: RowSampler
+    bands: list[int] | None = None   # each row's temperature band (None: read from the sampler)
     captured: CapturedSteps | None = None   # run the forwards as static (compiled) steps on its caches
 
 
@@ -323,7 +327,8 @@ def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "r
     t_start = time.perf_counter()
     draft, target, anchors, sampler = batch.draft, batch.target, batch.anchors, batch.sampler
     r = anchors.shape[0]
-    k, block = policy.decide(r) if draft is not None else (0, 0)
+    bands = batch.bands if batch.bands is not None else [temperature_band(t) for t in sampler.temperature.tolist()]
+    k, block = policy.decide(bands) if draft is not None else (0, 0)
     proposal = None
     if k:
         assert batch.context is not None and batch.draft_cache is not None

@@ -68,6 +68,14 @@ class PendingContext:
     def clear(self, start: int, stop: int) -> None:
         self.lengths[start:stop] = 0
 
+    def swap(self, a: int, b: int) -> None:
+        """Exchange rows a and b's buffered features."""
+        ab, ba = [a, b], [b, a]
+        if self.buf is not None:
+            n = int(self.lengths[ab].max())
+            self.buf[ab, :n] = self.buf[ba, :n]
+        self.lengths[ab] = self.lengths[ba]
+
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         if not src:
             return
@@ -112,6 +120,25 @@ class SlotPool:
         if draft_view is not None:
             draft_view.lengths.zero_()
 
+    def order_by_band(self, bands: list[int]) -> list[tuple[int, int]]:
+        """Put the running rows (of these temperature bands) in band order, greedy first, so
+        a round's drafting rows are a prefix (`gate.DraftGate`). Rows arrive at the end of
+        the pool, so few are out of place: the fewest swaps (`band_swaps`), each copying
+        two rows' valid slots. Returns the swaps made, in order."""
+        swaps = band_swaps(bands)
+        for a, b in swaps:
+            ab, ba = [a, b], [b, a]
+            for cache in (self.cache, self.draft_cache):
+                if cache is None:
+                    continue
+                n = int(cache.lengths[ab].max())
+                cache.k[:, ab, :, :n] = cache.k[:, ba, :, :n]   # advanced indexing: the right side is a copy
+                cache.v[:, ab, :, :n] = cache.v[:, ba, :, :n]
+                cache.lengths[ab] = cache.lengths[ba]
+            if self.pending is not None:
+                self.pending.swap(a, b)
+        return swaps
+
     def compact(self, running: int, done: list[int]) -> list[tuple[int, int]]:
         """Free the rows in `done` (of the first `running`) and keep live rows contiguous:
         the last live rows move into the holes (only their valid slots are copied).
@@ -126,3 +153,20 @@ class SlotPool:
             self.pending.move_rows(movers, holes)
             self.pending.clear(live, running)
         return list(zip(movers, holes))
+
+
+def band_swaps(bands: list[int]) -> list[tuple[int, int]]:
+    """Swaps (a, b), applied in order, that sort `bands` (not stably: rows of one band are
+    interchangeable); a row already in its band's range never moves."""
+    bands = list(bands)
+    target = sorted(bands)
+    swaps = []
+    for i, want in enumerate(target):
+        if bands[i] == want:
+            continue
+        misplaced = [j for j in range(i + 1, len(bands)) if bands[j] == want and bands[j] != target[j]]
+        # Prefer a row that belongs where row i's band goes: one swap places both.
+        j = next((j for j in misplaced if target[j] == bands[i]), misplaced[0])
+        bands[i], bands[j] = bands[j], bands[i]
+        swaps.append((i, j))
+    return swaps

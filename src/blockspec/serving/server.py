@@ -37,7 +37,7 @@ from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.loading import load_models
-from blockspec.options import add_model_flags, load_options
+from blockspec.options import add_adapt_flag, add_model_flags, load_options
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +146,14 @@ def build_engine(args: argparse.Namespace):
     """(Engine, Tokenizer, served model name) from parsed `serve` flags."""
     args.target = resolve_target(args)
     spec = resolve_speculation(args)
-    if args.cost_table and not (args.scheduled or args.draft_gate):
-        raise BlockspecError("--cost-table is used by scheduled verification and the draft gate only; "
-                             "add --scheduled or --draft-gate")
-    if args.draft_gate and not args.cost_table:
-        raise BlockspecError("--draft-gate needs --cost-table (blockspec profile --draft ...)")
+    if args.cost_table and spec.method == "ar":
+        raise BlockspecError("--cost-table prices speculative rounds: it needs a speculative method (--draft / "
+                             "--method dflash|dspark)")
+    if args.cost_table and not (args.adapt or args.scheduled or args.draft_gate):
+        raise BlockspecError("--cost-table is used by the adaptive policy, scheduled verification and the draft "
+                             "gate only; drop --no-adapt or add --scheduled / --draft-gate")
+    if args.draft_gate and not args.cost_table and not args.adapt:
+        raise BlockspecError("--draft-gate with --no-adapt needs --cost-table (blockspec profile --draft ...)")
     models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size,
                          chat_template=args.chat_template, **load_options(args))
     target, tokenizer, draft = models.target, models.tokenizer, models.draft
@@ -159,7 +162,7 @@ def build_engine(args: argparse.Namespace):
     table = CostTable.load(args.cost_table) if args.cost_table else None
     engine = Engine(target, draft, spec.method, scheduled=args.scheduled, max_running=args.max_running,
                     kv_memory_gb=args.kv_memory_gb, max_model_len=args.max_model_len, cost_table=table,
-                    draft_gate=True if args.draft_gate else None,
+                    draft_gate=True if args.draft_gate else None, adapt=args.adapt,
                     tokenizer=tokenizer, gpu_memory_utilization=args.gpu_memory_utilization,
                     prefill_chunk_tokens=args.prefill_chunk_tokens)
     log.info("%s", engine.plan.describe())
@@ -200,12 +203,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     p.set_defaults(method=None)  # None: from the aliases, else from the draft, else ar
     p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help="= --target (vLLM style)")
-    p.add_argument("--scheduled", action="store_true", help="DSpark confidence-scheduled verification")
-    p.add_argument("--cost-table", default=None, help="verify cost table JSON (with --scheduled / --draft-gate)")
+    add_adapt_flag(p)
+    p.add_argument("--scheduled", action="store_true", default=None,
+                   help="DSpark confidence-scheduled verification (default: on with --adapt and a draft with a "
+                        "confidence head)")
+    p.add_argument("--cost-table", default=None,
+                   help="verify / draft cost table JSON (blockspec profile); default with --adapt: this "
+                        "machine's, measured once and cached")
     p.add_argument("--draft-gate", action="store_true",
                    help="pick each round's block length, or a plain AR round, by the cost table's predicted "
-                        "throughput (any speculative method; on by default with --scheduled and a table with "
-                        "draft times)")
+                        "throughput (on by default with --adapt)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),

@@ -54,7 +54,7 @@ def collect_rollouts(target: TargetModel, draft: DraftModel, prompts: list[list[
         raise BlockspecError("calibration needs a draft with a confidence head")
     draft = draft.with_config(replace(draft.config, confidence_temperatures=None))  # raw confidences
     recorder = RoundRecorder()
-    generate(target, prompts, params, draft=draft, method="dspark", observer=recorder)
+    generate(target, prompts, params, draft=draft, method="dspark", observer=recorder, adapt=False)
     g = draft.config.num_drafts
     out = Rollouts([[] for _ in range(g)], [[] for _ in range(g)])
     for r in sorted(recorder.records, key=lambda r: r.request):   # prompt by prompt, rounds in order

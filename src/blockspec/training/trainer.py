@@ -49,7 +49,8 @@ def evaluate_acceptance(draft: DraftModel, target: TargetModel, examples: list[E
     draft.eval()
     stats = AcceptanceStats()
     prompts = [e.ids[:e.response_start] for e in examples]
-    out = generate(target, prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), draft=draft)
+    out = generate(target, prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), draft=draft,
+                   adapt=False)   # the draft's own acceptance over its full window
     for c in out.completions:
         stats.add_rounds(c.stats.accepted, c.stats.verified)
     draft.train()

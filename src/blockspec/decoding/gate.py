@@ -1,0 +1,279 @@
+"""The draft gate (docs/design.md section 5): which running requests draft this round,
+and how long a block, from measured costs and measured acceptance.
+
+Rows come ordered by temperature band (greedy first: `config.temperature_band`), so
+a round's drafting rows are always the first k: the gate weighs "the first b bands
+draft a block of s slots" against a plain AR round and picks the best expected
+tokens per second.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.decoding.cost_table import CostTable
+from blockspec.decoding.planner import admit
+from blockspec.errors import BlockspecError
+
+Groups = tuple[tuple[int, int], ...]   # (band, rows) runs in row order
+# A fruitless exploration doubles the band's interval, up to this many times explore_every:
+# where drafting never pays (sampling at batch 1 on a CPU), exploring costs ~1% of the time.
+MAX_BACKOFF = 16
+# Each measured / predicted round-time ratio is the median of this many latest samples.
+RATIO_SAMPLES = 15
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run the next round: the first `rows` rows draft `block` slots (0, 0: AR)."""
+
+    rows: int
+    block: int
+    tokens: float        # expected committed tokens
+    table_s: float       # the table's price of the round
+
+
+def band_groups(bands: Sequence[int]) -> Groups:
+    """Runs of equal bands in row order: [0, 0, 2] -> ((0, 2), (2, 1))."""
+    out: list[list[int]] = []
+    for band in bands:
+        if out and out[-1][0] == band:
+            out[-1][1] += 1
+        else:
+            out.append([band, 1])
+    return tuple((b, n) for b, n in out)
+
+
+class DraftGate:
+    """Which running requests draft this round (all, none, the first bands, or a few to
+    explore), and how long a block they draft.
+
+    Under load a draft forward plus a wider verify can cost more than it returns
+    even when the planner trims the window; when a plain AR round (every request
+    verifies its anchor only) is expected to produce more tokens per second, the
+    round skips the draft. A draft's cost grows with its block, and the first slots
+    are the likeliest to be accepted, so a shorter block can pay where the full one
+    does not: the gate prices each block length the table has draft times for
+    (`CostTable.draft_slot_counts`). Each option asks `admit` (the planner's rule)
+    what the round would deliver per second with every drafting row showing its
+    band's running mean survival curve, counting the draft time.
+
+    Acceptance is learned per temperature band: greedy rows accept far more than
+    sampled ones, and a mixed batch must not average them. Until a band is measured,
+    and after `explore_every` rounds in a row in which it did not draft, the first
+    `explore_rows` rows of that band draft a full block (a small forward that
+    measures every slot; the bands before it draft too, since drafting rows are a
+    prefix); each exploration that does not win the band back doubles its interval, so a load where drafting never pays spends little on it while the
+    estimate still follows the text (up to MAX_BACKOFF x). A band's curve is a decayed mean over
+    request-rounds (each request-round's weight decays by
+    momentum ** (1 / explore_rows) per later request-round: about 80 request-rounds
+    of memory), next to an optimistic prior worth `prior_rounds` request-rounds of
+    full survival: a few hard tokens at the start must not switch drafting off for
+    the easy ones after them, yet at batch 1 the measured acceptance takes over
+    within a few dozen rounds.
+    Hysteresis: the option chosen last keeps winning unless another is expected to
+    be `hysteresis` faster, so equal loads do not flap between AR and drafting.
+
+    warm_ar_rounds (with measured round times fed back): AR rounds run first, so
+    their real cost is known before the first decision (the table alone may
+    misprice them, and a gate that keeps drafting would never measure them).
+
+    Decisions use only past rounds, never the current round's draws, and undrafted
+    rows are lossless AR steps, so the output distribution is unchanged.
+
+    full_window: the drafting rows verify every draft of their block (DFlash,
+    DSpark unscheduled) instead of the planned lengths.
+
+    The table prices forward passes only, profiled apart from the decoding loop.
+    `observe` feeds back each finished round's wall time (bookkeeping, sampling and
+    context upkeep included); the gate scales the table's predictions by the
+    running ratio measured / predicted, kept apart for drafting and AR rounds, per
+    row count and (drafting) per block length, so it compares the rates really
+    achieved; one sample moves a ratio at most 1.5x (robust to a descheduled thread)."""
+
+    def __init__(self, table: CostTable, window: int, momentum: float = 0.95, explore_every: int = 8,
+                 min_survival: float = 0.0, explore_rows: int = 4, full_window: bool = False,
+                 hysteresis: float = 0.05, prior_rounds: float = 0.5, warm_ar_rounds: int = 0) -> None:
+        if explore_every < 1:
+            raise BlockspecError("explore_every must be >= 1")
+        if window < 1:
+            raise BlockspecError("the draft window must be >= 1")
+        if not 0.0 <= hysteresis < 1.0:
+            raise BlockspecError(f"hysteresis must be in [0, 1), got {hysteresis!r}")
+        self.full_window, self.hysteresis, self.prior_rounds = full_window, hysteresis, prior_rounds
+        self.warm_ar_rounds = warm_ar_rounds
+        self.table, self.window, self.momentum = table, window, momentum
+        self.explore_every, self.min_survival, self.explore_rows = explore_every, min_survival, explore_rows
+        # Block lengths to price: the table's measured ones below the window, and the window.
+        self.block_choices = [s for s in table.draft_slot_counts if s < window] + [window]
+        self.curves: dict[int, torch.Tensor] = {}   # band -> [window] mean prefix survival
+        # Per band and slot: decayed sums of measured survival and of request-rounds.
+        self._sums: dict[int, torch.Tensor] = {}
+        self._weights: dict[int, torch.Tensor] = {}
+        self.skipped: dict[int, int] = {}           # band -> undrafted rounds since it last drafted
+        self.interval: dict[int, int] = {}          # band -> current exploration interval (backs off)
+        self._options: dict[Groups, list[Option]] = {}   # until the next update
+        self._last: dict[Groups, tuple[int, int]] = {}   # the option chosen last, per batch make-up
+        # Measured / predicted round time: by (drafting,), (drafting, rows) and (True, rows, block).
+        self._ratio: dict[tuple, float] = {}
+        self._samples: dict[tuple, deque[float]] = {}   # the latest samples behind each ratio
+
+    # -- pricing --------------------------------------------------------------------
+    def cost_ratio(self, drafting: bool, rows: int, block: int | None = None) -> float:
+        """Measured / table round time for this kind of round: by drafting rows (or rows)
+        and block, else by rows, else by kind (1.0 before any measurement)."""
+        for key in ((drafting, rows, block), (drafting, rows), (drafting,), (not drafting,)):
+            if key in self._ratio:
+                return self._ratio[key]
+        return 1.0
+
+    def rate(self, option: Option, rows: int) -> float:
+        """Expected tokens per second of `option` for a batch of `rows` rows."""
+        drafting = option.rows > 0
+        ratio = self.cost_ratio(drafting, option.rows if drafting else rows, option.block if drafting else None)
+        return option.tokens / (option.table_s * ratio)
+
+    def curve(self, band: int) -> list[float]:
+        """The band's survival curve as the planner sees it: slots measured in different
+        rounds are made a prefix survival again (never rising); unmeasured: all ones."""
+        curve = self.curves.get(band)
+        if curve is None:
+            return [1.0] * self.window
+        return torch.cummin(curve, 0).values.tolist()
+
+    def options(self, groups: Groups) -> list[Option]:
+        """AR first, then every (first b bands draft, block length) option, priced by the
+        table (memoised until the next `update`)."""
+        if groups in self._options:
+            return self._options[groups]
+        rows = sum(n for _, n in groups)
+        times = self.table.times_upto(rows * (self.window + 1))
+        out = [Option(0, 0, float(rows), times[rows])]
+        drafting, curves = 0, []
+        for band, n in groups:
+            drafting += n
+            curves.append((self.curve(band), n))
+            for block in self.block_choices:
+                t_draft = self.table.draft_time(drafting, slots=block)
+                if self.full_window:
+                    tokens = rows + sum(n_ * sum(c[:block]) for c, n_ in curves)
+                    verified = drafting * block
+                else:   # plan() for these rows: slots in descending survival, ties by slot
+                    slots = sorted((s for c, n_ in curves for s in c[:block] for _ in range(n_)), reverse=True)
+                    verified, tokens = admit(slots, rows, times, t_draft, self.min_survival)
+                out.append(Option(drafting, block, tokens, t_draft + times[rows + verified]))
+        self._options[groups] = out
+        return out
+
+    def expected_rates(self, rows: int, band: int = 0) -> tuple[float, float, int]:
+        """(best drafting, AR) expected tokens per second for `rows` rows of one band, and
+        the block length of the drafting rate."""
+        options = self.options(((band, rows),))
+        best = max(options[1:], key=lambda o: self.rate(o, rows))
+        return self.rate(best, rows), self.rate(options[0], rows), best.block
+
+    # -- deciding -------------------------------------------------------------------
+    def decide(self, bands: int | Sequence[int]) -> tuple[int, int]:
+        """(first k rows that draft, block length in drafts) for rows of these temperature
+        bands (an int: that many greedy rows); (0, 0) is an AR round."""
+        bands = [0] * bands if isinstance(bands, int) else list(bands)
+        rows = len(bands)
+        if not self.table.has_draft_times or rows == 0:
+            return rows, self.window
+        groups = band_groups(bands)
+        start = 0
+        for band, n in groups:
+            if band not in self.curves:   # measure it first
+                return start + min(n, self.explore_rows), self.window
+            start += n
+        if len(self._samples.get((False,), ())) < self.warm_ar_rounds:   # price AR rounds before trusting the table
+            return 0, 0
+        choice = self._choose(groups, rows)
+        k, block = choice
+        start = 0
+        for band, n in groups:
+            drafting = start < k
+            if drafting and block == self.window:   # its whole curve is being measured
+                self.skipped[band], self.interval[band] = 0, self.explore_every
+                start += n
+                continue
+            # A band drafting a shorter block, or the first band that does not draft:
+            # now and then it drafts the full window, so the slots it does not draft
+            # (or all of them) are measured again.
+            self.skipped[band] = self.skipped.get(band, 0) + 1
+            interval = self.interval.get(band, self.explore_every)
+            if self.skipped[band] >= interval:
+                self.skipped[band] = 0
+                self.interval[band] = min(2 * interval, MAX_BACKOFF * self.explore_every)
+                return (k if drafting else start + min(n, self.explore_rows)), self.window
+            if not drafting:
+                break
+            start += n
+        return choice
+
+    def _choose(self, groups: Groups, rows: int) -> tuple[int, int]:
+        options = self.options(groups)
+        rates = {(o.rows, o.block): self.rate(o, rows) for o in options}
+        best = max(rates, key=lambda key: rates[key])
+        last = self._last.get(groups)
+        if last is not None and last in rates and rates[last] * (1 + self.hysteresis) >= rates[best]:
+            best = last
+        self._last[groups] = best
+        return best
+
+    # -- learning -------------------------------------------------------------------
+    def observe(self, rows: int, drafting_rows: int, slots: int, verified_drafts: int, seconds: float) -> None:
+        """A finished round's wall time: `rows` running requests, of which the first
+        `drafting_rows` drafted a block of `slots` slots, verifying `verified_drafts` drafts in all."""
+        predicted = self.table.time(rows + verified_drafts)
+        ratio_sample = seconds / max(predicted + (self.table.draft_time(drafting_rows, slots=slots)
+                                                  if drafting_rows else 0.0), 1e-9)
+        if drafting_rows:
+            # By drafting rows (exploration rounds of a few rows do not stand in for rounds
+            # where everyone drafts), and by block length too: their overheads differ.
+            self._learn((True, drafting_rows), ratio_sample)
+            self._learn((True, drafting_rows, slots), ratio_sample)
+        else:
+            self._learn((False, rows), ratio_sample)
+
+    def _learn(self, key: tuple, sample: float) -> None:
+        """Record a measured / predicted sample: each ratio is the median of the last
+        RATIO_SAMPLES samples of its key (and of its kind), robust to the odd round a
+        descheduled thread or a cold cache made slow: one outlier must not price a
+        kind of round out for good, as the gate may never run it again."""
+        for k in [key] + ([(key[0],)] if len(key) == 2 else []):
+            samples = self._samples.setdefault(k, deque(maxlen=RATIO_SAMPLES))
+            samples.append(sample)
+            self._ratio[k] = statistics.median(samples)
+
+    def update(self, survival: torch.Tensor, block: int | None = None, bands: Sequence[int] | None = None) -> None:
+        """Record a drafting round's prefix survival [k, g'] over a block of `block`
+        >= g' slots (default g'; DSpark may stop sampling before the block's end: its
+        slots g'.. count as 0) for rows of these bands (default greedy); slots past
+        the block keep their estimate."""
+        k = survival.shape[0]
+        if survival.numel() == 0:
+            return
+        self._options.clear()
+        block = min(survival.shape[1] if block is None else block, self.window)
+        survival = survival.detach().to("cpu", torch.float64)
+        band_of = torch.tensor(list(bands[:k]) if bands is not None else [0] * k)
+        for band in band_of.unique().tolist():
+            rows = survival[band_of == band]
+            n = rows.shape[0]
+            total = torch.zeros(block, dtype=torch.float64)
+            total[:min(block, rows.shape[1])] = rows.sum(0)[:block]
+            if band not in self._sums:
+                self._sums[band] = torch.zeros(self.window, dtype=torch.float64)
+                self._weights[band] = torch.zeros(self.window, dtype=torch.float64)
+            decay = self.momentum ** (n / self.explore_rows)
+            sums, weights = self._sums[band], self._weights[band]
+            sums[:block] = decay * sums[:block] + total
+            weights[:block] = decay * weights[:block] + n
+            # The optimistic prior weighs `prior_rounds` request-rounds of full survival.
+            self.curves[band] = (self.prior_rounds + sums) / (self.prior_rounds + weights)

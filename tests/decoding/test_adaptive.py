@@ -1,0 +1,111 @@
+"""The adaptive policy (the default of every speculative path) stays lossless while it
+switches between AR rounds, short blocks and full blocks inside one request."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import pytest
+import torch
+
+from blockspec.config import SamplingParams
+from blockspec.decoding.cost_table import CostTable
+from blockspec.decoding.generate import generate
+from blockspec.decoding.policy import FullWindow, RoundPolicy
+from conftest import make_draft, make_target
+from lossless_stats import chi_square_p, exact_first_three
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16]]
+TABLE = CostTable([1, 64], [1.0, 2.0], draft_rows=[1, 64], draft_times_s=[0.5, 2.0],
+                  draft_slot_times={1: [0.2, 1.0], 2: [0.3, 1.5]}, draft_window=3)
+
+
+def drafts(target):
+    return {"dflash": make_draft(target, "zlab", 4, seed=5),
+            "dspark": make_draft(target, "deepspec", 3, seed=5, markov_rank=4, markov_type="gated", confidence=True)}
+
+
+def switching_policy(target, draft, method: str, rows: int, script: list[tuple[float, int]]) -> RoundPolicy:
+    """The real policy (gate, planner, calibration) whose gate follows `script`: per round
+    (share of rows that draft, block length), cycling; 0 rows is an AR round."""
+    policy = RoundPolicy.for_method(target, draft, method, TABLE, rows=rows, gate_feedback=False)
+    cycle = itertools.cycle(script)
+
+    def decide(bands):
+        share, block = next(cycle)
+        k = int(round(share * len(bands)))
+        return (k, block) if k else (0, 0)
+    policy.gate.decide = decide
+    return policy
+
+
+class Blocks:
+    """Round observer: the block length (0: AR) each request saw, round by round."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[int, list[int]] = {}
+
+    def on_round(self, outcome, requests) -> None:
+        for i, r in enumerate(requests):
+            self.by_request.setdefault(r, []).append(outcome.block if i < outcome.drafting_rows else 0)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_greedy_output_equals_ar_while_switching_inside_a_request(method):
+    target = make_target(dtype=torch.float64)
+    draft = drafts(target)[method]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ref = [c.tokens for c in generate(target, PROMPTS, params).completions]
+    window = draft.config.num_drafts
+    policy = switching_policy(target, draft, method, len(PROMPTS), [(0.0, 0), (1.0, 1), (0.5, window), (1.0, window),
+                                                                   (0.25, 2)])
+    seen = Blocks()
+    out = generate(target, PROMPTS, params, draft=draft, method=method, policy=policy, observer=seen)
+    assert [c.tokens for c in out.completions] == ref
+    assert {0, 1, window} <= set(seen.by_request[0])         # AR, short and full blocks in one request
+    # The default path (adaptive, this machine's measured table) is lossless too.
+    default = generate(target, PROMPTS, params, draft=draft, method=method)
+    assert [c.tokens for c in default.completions] == ref
+
+
+def test_adaptive_is_the_default_and_no_adapt_is_the_full_window(monkeypatch):
+    target = make_target(dtype=torch.float64)
+    draft = drafts(target)["dflash"]
+    used = []
+    module = importlib.import_module("blockspec.decoding.generate")
+    real = module.speculative_round
+    monkeypatch.setattr(module, "speculative_round",
+                        lambda batch, policy, **kw: (used.append(type(policy)), real(batch, policy, **kw))[1])
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    generate(target, PROMPTS[:1], params, draft=draft)
+    generate(target, PROMPTS[:1], params, draft=draft, adapt=False)
+    assert used[0] is RoundPolicy and used[-1] is FullWindow
+
+
+VOCAB, N, ALPHA = 12, 12000, 1e-3
+
+
+@pytest.mark.parametrize("method, params", [("dflash", SamplingParams(temperature=1.0)),
+                                            ("dspark", SamplingParams(temperature=0.7, top_p=0.8))])
+def test_sampled_distribution_is_exact_while_switching(method, params):
+    """Chi-square over the first three tokens of 12000 seeded rows (as
+    test_lossless_sampling), with rows switching between AR, one-slot, two-slot and
+    full blocks from round to round, and only part of the batch drafting."""
+    target = make_target(seed=3, vocab=VOCAB, dtype=torch.float64)
+    draft = drafts(target)[method]
+    window = draft.config.num_drafts
+    policy = switching_policy(target, draft, method, N, [(0.5, 1), (0.0, 0), (1.0, window), (0.3, 2)])
+    rows = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                           max_new_tokens=3, seed=i, ignore_eos=True) for i in range(N)]
+    prompt = [3, 5, 7, 2]
+    seen = Blocks()
+    out = generate(target, [prompt] * N, rows, draft=draft, method=method, policy=policy, observer=seen)
+    assert len({tuple(b) for b in seen.by_request.values()}) > 2   # rows really followed different schedules
+    counts = torch.zeros(VOCAB ** 3)
+    for c in out.completions:
+        a, b, d = c.tokens
+        counts[(a * VOCAB + b) * VOCAB + d] += 1
+    assert chi_square_p(counts, exact_first_three(target, params, prompt, VOCAB)) > ALPHA

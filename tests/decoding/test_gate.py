@@ -1,0 +1,89 @@
+"""The draft gate's temperature bands, hysteresis, exploration and warm-up (decoding/gate.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.config import SamplingParams, temperature_band
+from blockspec.decoding.cost_table import CostTable
+from blockspec.decoding.gate import DraftGate, band_groups
+
+# Drafting a full 3-slot block costs 0.5 s at 1 row and 1.0 s at 4; verify T(n) rises
+# after 4 tokens. With every draft accepted drafting pays; with none it does not.
+TABLE = CostTable([1, 4, 8, 16], [1.0, 1.0, 1.5, 2.5], draft_rows=[1, 4], draft_times_s=[0.5, 1.0])
+
+
+def test_temperature_bands():
+    assert [temperature_band(t) for t in (0.0, 1e-6, 1e-5, 0.5, 0.7, 1.0, 1.3)] == [0, 0, 1, 1, 2, 2, 3]
+    assert SamplingParams(temperature=0.8).band == 2 and SamplingParams().band == 0
+    assert band_groups([0, 0, 2, 2, 2, 3]) == ((0, 2), (2, 3), (3, 1))
+    assert band_groups([]) == ()
+
+
+def test_greedy_rows_keep_drafting_next_to_sampled_rows_that_do_not_pay():
+    """Acceptance is learned per band: the sampled band's misses do not pull the greedy
+    rows' curve down, so in a mixed batch exactly the greedy prefix drafts."""
+    gate = DraftGate(TABLE, window=3, full_window=True, explore_every=1000)
+    assert gate.decide([0, 0, 2, 2]) == (2, 3)          # greedy band unmeasured: it drafts (explores) first
+    gate.update(torch.ones(2, 3), bands=[0, 0])
+    assert gate.decide([0, 0, 2, 2]) == (4, 3)          # then the sampled band explores (a prefix: both draft)
+    gate.update(torch.cat([torch.ones(2, 3), torch.zeros(2, 3)]), bands=[0, 0, 2, 2])
+    for _ in range(20):
+        gate.update(torch.zeros(2, 3), bands=[2, 2])    # sampled rows accept nothing ...
+    assert gate.curves[0].min() == pytest.approx(1.0)   # ... and the greedy curve does not move
+    assert float(gate.curves[2].max()) < 0.05
+    assert gate.decide([0, 0, 2, 2]) == (2, 3)          # greedy rows draft, sampled rows run AR
+    assert gate.decide([2, 2]) == (0, 0)
+    # One pooled curve (all rows in one band) would have stopped the greedy rows too.
+    pooled = DraftGate(TABLE, window=3, full_window=True, explore_every=1000)
+    pooled.update(torch.ones(2, 3))
+    for _ in range(20):
+        pooled.update(torch.cat([torch.ones(2, 3), torch.zeros(2, 3)]))
+    assert pooled.decide(4) == (0, 0)
+
+
+def test_hysteresis_keeps_the_last_choice_when_rates_are_close():
+    """Near the break-even point the gate does not flap between AR and drafting."""
+    table = CostTable([1, 4], [1.0, 1.0], draft_rows=[1], draft_times_s=[1.0])   # drafting: 2 s per round
+    gate = DraftGate(table, window=3, full_window=True, explore_every=1000, momentum=0.0, prior_rounds=0.0)
+    gate.update(torch.tensor([[1.0, 1.0, 0.0]]))       # 3 tokens in 2 s: 1.5 tok/s vs AR 1.0
+    assert gate.decide(1) == (1, 3)
+    gate.update(torch.tensor([[0.96, 0.0, 0.0]]))      # 1.96 tokens in 2 s: 0.98 tok/s, AR 2% faster
+    assert gate.decide(1) == (1, 3)                    # within the 5% margin: stays drafting
+    gate.update(torch.tensor([[0.8, 0.0, 0.0]]))       # 1.8 tokens: 0.9 tok/s, AR 11% faster
+    assert gate.decide(1) == (0, 0)
+    gate.update(torch.tensor([[1.0, 0.04, 0.0]]))      # 1.02 tok/s, 2% faster than AR: not enough to switch back
+    assert gate.decide(1) == (0, 0)
+    gate.update(torch.tensor([[1.0, 1.0, 0.0]]))
+    assert gate.decide(1) == (1, 3)
+    no_margin = DraftGate(table, window=3, full_window=True, explore_every=1000, momentum=0.0, prior_rounds=0.0,
+                          hysteresis=0.0)
+    no_margin.update(torch.tensor([[1.0, 1.0, 0.0]]))
+    assert no_margin.decide(1) == (1, 3)
+    no_margin.update(torch.tensor([[0.96, 0.0, 0.0]]))
+    assert no_margin.decide(1) == (0, 0)
+
+
+def test_a_band_drafting_a_short_block_still_measures_the_full_window():
+    """While a band drafts a shorter block, the slots past it are never measured: now and
+    then the band drafts the whole window again, or a lucky early estimate would stick."""
+    table = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 8.0],
+                      draft_slot_times={1: [0.1, 0.4]}, draft_window=3)
+    gate = DraftGate(table, window=3, full_window=True, explore_every=4, momentum=0.7)
+    gate.update(torch.ones(16, 1), 1)                    # slot 1 measured only
+    gate.update(torch.zeros(16, 3), 3)                   # ... and one bad full round
+    gate.update(torch.ones(16, 1), 1)
+    blocks = [gate.decide(16)[1] for _ in range(12)]
+    assert set(blocks) == {1, 3} and blocks.count(3) >= 1   # mostly one slot, the full window now and then
+
+
+def test_warm_ar_rounds_price_ar_before_the_first_decision():
+    gate = DraftGate(TABLE, window=3, full_window=True, explore_every=1000, warm_ar_rounds=2)
+    assert gate.decide(1) == (1, 3)                      # unmeasured band: explore first
+    gate.update(torch.ones(1, 3))
+    assert gate.decide(1) == (0, 0)                      # then AR until two AR rounds were timed
+    gate.observe(1, 0, 0, 0, seconds=1.0)
+    assert gate.decide(1) == (0, 0)
+    gate.observe(1, 0, 0, 0, seconds=1.0)
+    assert gate.decide(1) == (1, 3)

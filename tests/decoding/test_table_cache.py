@@ -1,0 +1,99 @@
+"""The adaptive policy's cost table: measured once, cached per machine and model pair (decoding/table_cache.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blockspec.decoding import table_cache
+from blockspec.decoding.cost_table import CostTable
+from blockspec.decoding.table_cache import cached_cost_table, profile_points, table_key
+from conftest import make_draft, make_target
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """An empty cache directory and no tables remembered in this process."""
+    monkeypatch.setattr(table_cache, "_MEMO", {})
+    monkeypatch.setenv("BLOCKSPEC_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def count_profiles(monkeypatch) -> list[int]:
+    calls = []
+    real = table_cache.profile_cost_table
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["rows"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(table_cache, "profile_cost_table", counted)
+    return calls
+
+
+def test_measured_once_then_read_from_the_cache(fresh, monkeypatch):
+    target = make_target()
+    draft = make_draft(target, "zlab", 4)
+    calls = count_profiles(monkeypatch)
+    table = cached_cost_table(target, draft, rows=3, repeats=1)
+    assert calls == [4]                                         # rows rounded up to a power of two
+    files = list((fresh / "cost_tables").glob("*.json"))
+    assert len(files) == 1 and table.has_draft_times and table.draft_slot_counts[-1] == draft.config.num_drafts
+    assert table.meta["key"] == table_key(target, draft, 4)
+    assert cached_cost_table(target, draft, rows=4) is table   # this process: no file read
+    monkeypatch.setattr(table_cache, "_MEMO", {})               # a new process reads the file
+    again = cached_cost_table(target, draft, rows=4)
+    assert calls == [4] and again.ns == table.ns and again.times_s == pytest.approx(table.times_s)
+
+
+def test_another_pair_dtype_or_row_count_never_reuses_a_table(fresh, monkeypatch):
+    target = make_target()
+    draft = make_draft(target, "zlab", 4)
+    calls = count_profiles(monkeypatch)
+    cached_cost_table(target, draft, rows=1, repeats=1)
+    cached_cost_table(target, make_draft(target, "zlab", 3), rows=1, repeats=1)            # another block
+    cached_cost_table(target, make_draft(target, "zlab", 4, layers=2), rows=1, repeats=1)  # another draft shape
+    cached_cost_table(make_target(layers=3), make_draft(make_target(layers=3), "zlab", 4), rows=1, repeats=1)
+    t64 = make_target(dtype=torch.float64)
+    cached_cost_table(t64, make_draft(t64, "zlab", 4), rows=1, repeats=1)                  # another dtype
+    cached_cost_table(target, draft, rows=8, repeats=1)                                     # more rows
+    assert len(calls) == 6 and len(list((fresh / "cost_tables").glob("*.json"))) == 6
+    cached_cost_table(target, make_draft(target, "zlab", 4, seed=9), rows=1)               # other weights, same shape
+    assert len(calls) == 6
+
+
+def test_a_foreign_or_broken_file_is_measured_again(fresh, monkeypatch, caplog):
+    target = make_target()
+    draft = make_draft(target, "zlab", 4)
+    calls = count_profiles(monkeypatch)
+    cached_cost_table(target, draft, rows=1, repeats=1)
+    path = next((fresh / "cost_tables").glob("*.json"))
+    raw = json.loads(path.read_text())
+    raw["meta"]["key"]["machine"] = "another machine"           # copied from elsewhere: not trusted
+    path.write_text(json.dumps(raw))
+    monkeypatch.setattr(table_cache, "_MEMO", {})
+    cached_cost_table(target, draft, rows=1, repeats=1)
+    path.write_text("{not json")
+    monkeypatch.setattr(table_cache, "_MEMO", {})
+    cached_cost_table(target, draft, rows=1, repeats=1)
+    assert len(calls) == 3 and "ignoring the cached cost table" in caplog.text
+    assert CostTable.load(path).meta["key"] == table_key(target, draft, 1)
+
+
+def test_an_unwritable_cache_still_works(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(table_cache, "_MEMO", {})
+    monkeypatch.setenv("BLOCKSPEC_CACHE_DIR", str(blocker))     # a file where the directory should be
+    target = make_target()
+    table = cached_cost_table(target, make_draft(target, "zlab", 4), rows=1, repeats=1)
+    assert table.has_draft_times and "could not cache the cost table" in caplog.text
+
+
+def test_profile_points_cover_every_round_width():
+    ns, rows = profile_points(1, 15)
+    assert ns == list(range(1, 17)) and rows == [1]
+    ns, rows = profile_points(32, 15)
+    assert ns[:16] == list(range(1, 17)) and ns[-1] == 512 and {32, 33, 64, 128, 256} <= set(ns)
+    assert rows == [1, 2, 4, 8, 16, 32]
