@@ -1,15 +1,19 @@
-"""Engine throughput vs concurrency on HumanEval prompts (greedy, 128 new tokens) for
-AR, DFlash, DSpark (full window) and DSpark (confidence-scheduled), plus DFlash and
-DSpark full window behind the draft gate, measured side by side in one run; plus the
-engine process's peak resident memory.
+"""Engine throughput vs concurrency on HumanEval prompts (128 new tokens) for AR and the
+speculative methods as users run them (the adaptive policy, the default), optionally
+next to fixed full windows, for greedy, temperature-1 and mixed workloads, measured
+side by side in one run; plus the process's peak resident memory.
 
-    python benchmarks/engine_throughput.py [--concurrency 1,4,16,32] [--repeats 3] [--methods ar,dflash,...]
+    python benchmarks/engine_throughput.py [--concurrency 1,4,16,32] [--workloads greedy,t1]
+        [--mixed-at 16] [--repeats 3] [--methods ar,dflash,dspark[,dflash-fixed,dspark-fixed]]
 
-Each (method, concurrency) cell runs max(8, waves*c) requests (default 4 waves) through
-a fresh engine with max_running = c, so requests join as others finish, as in serving;
-tokens/s = generated tokens / wall time. With --repeats N the four
-arms run N times in turn at each concurrency and each cell is the median. The cost table for the
-scheduled method is measured first (`blockspec profile`) unless one is given.
+Each (workload, concurrency) cell runs max(8, waves*c) requests per arm through an
+engine with max_running = c, so requests join as others finish, as in serving;
+tokens/s = generated tokens / wall time. One engine per arm lives through the cell's
+repeats, as a running server would (its policy keeps what it learned; the first
+repeat includes the learning), and the arms run in turn, repeat after repeat: each
+cell is the median. The adaptive arms' cost tables come from the user cache
+(measured on first use, before any timing). Workloads: greedy; t1 (temperature 1,
+seeded); mixed (every other request greedy, the others temperature 1).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -24,94 +30,105 @@ import torch
 
 from blockspec import Engine, SamplingParams, Tokenizer, embedded, load_draft, load_target
 from blockspec.bench.datasets import humaneval  # the bench's prompts: no bare trailing newline token
-from blockspec.decoding.cost_table import CostTable, profile_cost_table
+
+# name -> (method, adaptive policy)
+ARMS = {"ar": ("ar", False), "dflash": ("dflash", True), "dspark": ("dspark", True),
+        "dflash-fixed": ("dflash", False), "dspark-fixed": ("dspark", False)}
+HEADERS = {"ar": "AR", "dflash": "DFlash", "dspark": "DSpark", "dflash-fixed": "DFlash fixed",
+           "dspark-fixed": "DSpark fixed"}
+WORKLOADS = ("greedy", "t1", "mixed")
 
 
-def prompts_humaneval(tok: Tokenizer) -> list[list[int]]:
-    return [tok.encode(p.text) for p in humaneval()]
+def request_params(workload: str, count: int, new_tokens: int) -> list[SamplingParams]:
+    def one(i: int) -> SamplingParams:
+        sampled = workload == "t1" or (workload == "mixed" and i % 2 == 1)
+        return SamplingParams(temperature=1.0 if sampled else 0.0, seed=i, max_new_tokens=new_tokens, ignore_eos=True)
+    return [one(i) for i in range(count)]
 
 
-def run_cell(target, draft, method: str, scheduled: bool, gated: bool, table, prompts, conc: int,
-             new_tokens: int) -> dict:
-    engine = Engine(target, draft if method != "ar" else None, method=method, scheduled=scheduled,
-                    max_running=conc, max_model_len=1024, cost_table=table if (scheduled or gated) else None,
-                    draft_gate=gated or None)
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+def build(target, drafts, name: str, conc: int) -> Engine:
+    method, adaptive = ARMS[name]
+    return Engine(target, drafts.get(method), method=method, max_running=conc, max_model_len=1024, adapt=adaptive)
+
+
+def run_once(engine: Engine, prompts, params) -> dict:
+    before = engine.metrics()
     t0 = time.perf_counter()
-    handles = [engine.submit(p, params) for p in prompts]
+    handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
     engine.run_until_done()
     elapsed = time.perf_counter() - t0
-    m = engine.metrics()
-    assert m["kv_bytes_in_use"] == 0 and all(h.done for h in handles)
-    return {"tokens_per_s": m["generated_tokens"] / elapsed, "tau": m["tau"], "kv_mb": m["kv_bytes_total"] / 2**20}
-
-
-def profile(target, draft) -> CostTable:
-    return profile_cost_table(target, [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512], repeats=5, rows=16,
-                              capture=tuple(draft.config.target_layer_ids), draft=draft,
-                              draft_rows=[1, 2, 4, 8, 16, 32])
-
-
-# name -> (method, draft key, scheduled, draft gate)
-ARMS = {"ar": ("ar", None, False, False), "dflash": ("dflash", "dflash", False, False),
-        "dspark": ("dspark", "dspark", False, False), "dspark-scheduled": ("dspark", "dspark", True, None),
-        "dflash-gated": ("dflash", "dflash", False, True), "dspark-gated": ("dspark", "dspark", False, True)}
-HEADERS = {"ar": "AR", "dflash": "DFlash", "dspark": "DSpark full", "dspark-scheduled": "DSpark scheduled",
-           "dflash-gated": "DFlash gated", "dspark-gated": "DSpark full gated"}
+    after = engine.metrics()
+    assert after["kv_bytes_in_use"] == 0 and all(h.done for h in handles)
+    tokens = after["generated_tokens"] - before["generated_tokens"]
+    rounds = after["request_rounds"] - before["request_rounds"]
+    drafted = rounds - (after["undrafted_request_rounds"] - before["undrafted_request_rounds"])
+    return {"tokens_per_s": tokens / elapsed, "tau": tokens / max(rounds, 1), "drafted": drafted / max(rounds, 1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--workloads", default="greedy,t1", help=f"comma list of {', '.join(WORKLOADS)}")
+    ap.add_argument("--mixed-at", default="16", help="concurrency levels of the mixed workload ('' for none)")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--cost-table", default=None, help="DSpark's table (DFlash's gate is always profiled)")
-    ap.add_argument("--methods", default="ar,dflash,dspark,dspark-scheduled,dflash-gated,dspark-gated",
-                    help=f"comma list of {','.join(ARMS)}")
+    ap.add_argument("--methods", default="ar,dflash,dspark", help=f"comma list of {','.join(ARMS)} including ar")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved runs per cell (median)")
     ap.add_argument("--waves", type=int, default=4, help="requests per cell = max(8, waves x concurrency)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     names = args.methods.split(",")
-    if "ar" not in names or any(n not in ARMS for n in names):
-        ap.error(f"--methods: a comma list of {', '.join(ARMS)} including ar")
+    workloads = [w for w in args.workloads.split(",") if w]
+    if "ar" not in names or any(n not in ARMS for n in names) or any(w not in WORKLOADS for w in workloads):
+        ap.error(f"--methods: a comma list of {', '.join(ARMS)} including ar; --workloads from {WORKLOADS}")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    cells_to_run = [(w, c) for w in workloads if w != "mixed" for c in levels]
+    cells_to_run += [("mixed", int(c)) for c in args.mixed_at.split(",") if c] if args.mixed_at else []
     torch.manual_seed(0)
     tdir = embedded.default_target()
     target, tok = load_target(tdir), Tokenizer(tdir)
     drafts = {k: load_draft(embedded.default_draft(k), target=target) for k in ("dflash", "dspark")}
-    tables = {"dspark": CostTable.load(Path(args.cost_table)) if args.cost_table else profile(target, drafts["dspark"])}
-    if any(ARMS[n][1] == "dflash" and ARMS[n][3] for n in names):
-        tables["dflash"] = profile(target, drafts["dflash"])
-    pool = prompts_humaneval(tok)
+    pool = [tok.encode(p.text) for p in humaneval()]
     rows = []
-    for conc in [int(c) for c in args.concurrency.split(",")]:
-        prompts = [pool[i % len(pool)] for i in range(max(8, args.waves * conc))]
+    for workload, conc in cells_to_run:
+        count = max(8, args.waves * conc)
+        prompts, params = [pool[i % len(pool)] for i in range(count)], request_params(workload, count, args.new_tokens)
+        engines = {name: build(target, drafts, name, conc) for name in names}   # tables measured here, untimed
         runs: dict[str, list[dict]] = {name: [] for name in names}
-        for _ in range(args.repeats):  # side by side for this concurrency, interleaved
+        for _ in range(args.repeats):  # side by side for this cell, interleaved
             for name in names:
-                method, key, scheduled, gated = ARMS[name]
-                runs[name].append(run_cell(target, drafts.get(key), method, scheduled, bool(gated),
-                                           tables.get(key), prompts, conc, args.new_tokens))
-        cells = {name: sorted(r, key=lambda x: x["tokens_per_s"])[len(r) // 2] for name, r in runs.items()}
-        rows.append((conc, cells))
+                runs[name].append(run_once(engines[name], prompts, params))
+        del engines
+        cell = {}
+        for name, r in runs.items():
+            tps = statistics.median(x["tokens_per_s"] for x in r)
+            cell[name] = {"tokens_per_s": tps, "all": [round(x["tokens_per_s"], 1) for x in r],
+                          "tau": statistics.median(x["tau"] for x in r),
+                          "drafted": statistics.median(x["drafted"] for x in r)}
+        rows.append((workload, conc, cell))
+        print(f"done {workload} c={conc}: " + ", ".join(f"{n} {cell[n]['tokens_per_s']:.1f}" for n in names),
+              flush=True, file=sys.stderr)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"HumanEval prompts, greedy, {args.new_tokens} new tokens, float32, {torch.get_num_threads()} threads; "
-          "tok/s (tau incl. bonus; DFlash z-lab block 16 = 15 drafts, DSpark gamma 15: same 16-token window); "
-          "gated = the draft gate may skip drafting or shorten the block when the cost table predicts it pays")
-    print(f"median of {args.repeats} interleaved run(s) per cell; max(8, {args.waves} x concurrency) requests per cell")
-    ratios = [("sched / DFlash", "dspark-scheduled", "dflash"), ("sched / AR", "dspark-scheduled", "ar")]
-    ratios = [r for r in ratios if r[1] in names and r[2] in names]
-    spec_names = [n for n in names if n != "ar"]
-    print("| concurrency | " + " | ".join(HEADERS[n] for n in names) + " | "
-          + " | ".join(r[0] for r in ratios) + " | min spec / AR | min gated-or-scheduled / AR |")
-    print("|---" * (len(names) + len(ratios) + 3) + "|")
-    for conc, c in rows:
+    print(f"HumanEval prompts, {args.new_tokens} new tokens (ignore EOS), float32, {torch.get_num_threads()} "
+          "threads; tok/s, median of the repeats (tau incl. bonus; share of request-rounds that drafted); "
+          "DFlash / DSpark = the default adaptive policy (draft gate per temperature band, DSpark scheduled), "
+          "fixed = every round drafts and verifies the full window")
+    print(f"median of {args.repeats} interleaved run(s) per cell; max(8, {args.waves} x concurrency) requests per "
+          "cell; one engine per arm for the cell's repeats (the first repeat includes the policy's learning)")
+    spec = [n for n in names if n != "ar"]
+    ratio_cols = [n for n in spec if ARMS[n][1]]
+    both = "dflash" in names and "dspark" in names
+    print("| workload | concurrency | " + " | ".join(HEADERS[n] for n in names) + " | "
+          + " | ".join(f"{HEADERS[n]} / AR" for n in ratio_cols) + (" | DSpark / DFlash" if both else "") + " |")
+    print("|---" * (2 + len(names) + len(ratio_cols) + int(both)) + "|")
+    for workload, conc, c in rows:
         tps = {n: c[n]["tokens_per_s"] for n in names}
-        cells = [f"{tps['ar']:.1f}"] + [f"{tps[n]:.1f} ({c[n]['tau']:.2f})" for n in spec_names]
-        cells += [f"{tps[a] / tps[b]:.2f}x" for _, a, b in ratios]
-        adaptive = [n for n in spec_names if n.endswith(("-gated", "-scheduled"))]
-        cells.append(f"{min(tps[n] for n in spec_names) / tps['ar']:.2f}x" if spec_names else "")
-        cells.append(f"{min(tps[n] for n in adaptive) / tps['ar']:.2f}x" if adaptive else "")
-        print(f"| {conc} | " + " | ".join(cells) + " |")
+        cells = [f"{tps['ar']:.1f}"] + [f"{tps[n]:.1f} ({c[n]['tau']:.2f}; {c[n]['drafted']:.0%})" for n in spec]
+        cells += [f"{tps[n] / tps['ar']:.2f}x" for n in ratio_cols]
+        if both:
+            cells.append(f"{tps['dspark'] / tps['dflash']:.2f}x")
+        print(f"| {workload} | {conc} | " + " | ".join(cells) + " |")
+    print("\nper-run tok/s (in run order): " + "; ".join(
+        f"{w} c={conc} " + ", ".join(f"{n} {c[n]['all']}" for n in names) for w, conc, c in rows))
     print(f"\npeak resident memory of this process (all engines, models, cost tables): {peak_mb:.0f} MiB")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "peak_rss_mib": peak_mb}, indent=1, default=str))

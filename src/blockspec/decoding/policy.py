@@ -129,6 +129,7 @@ class RoundPolicy:
         self.calibrate = calibrate and self.table is not None and window > 0
         self.calibrations: dict[int, ConfidenceCalibration] = {}   # by temperature band
         self._bands: list[int] = []   # the bands of the rows of the round in progress
+        self._drafted_last = True     # the previous round drafted (no AR stretch behind it)
 
     @classmethod
     def for_method(cls, target: TargetModel, draft: DraftModel | None, method: str, table: CostTable | None = None,
@@ -236,9 +237,15 @@ class RoundPolicy:
             self.gate.update(survival, outcome.block, bands)
 
     def observe_time(self, rows: int, outcome: RoundOutcome, seconds: float) -> None:
-        """A finished round's wall time, bookkeeping included (the gate's cost feedback)."""
+        """A finished round's wall time, bookkeeping included (the gate's cost feedback).
+        The first drafting round after AR rounds appends their buffered draft context: a
+        cost of the AR stretch (steady AR rounds pay it when the buffer fills), not of
+        drafting, so it is left out of that round's time."""
         if self.gate is not None and self.gate_feedback:
+            if outcome.drafting_rows and not self._drafted_last:
+                seconds -= outcome.context_s
             self.gate.observe(rows, outcome.drafting_rows, outcome.block, sum(outcome.verified), seconds)
+        self._drafted_last = outcome.drafting_rows > 0
 
 
 def measured_survival(g: int, confidence: torch.Tensor | None, verified: torch.Tensor,

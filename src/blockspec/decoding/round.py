@@ -299,6 +299,7 @@ class RoundOutcome:
     draft_s: float = 0.0
     plan_s: float = 0.0
     verify_s: float = 0.0
+    context_s: float = 0.0        # of draft_s: the drafting rows' buffered context appended before drafting
 
     def new_tokens(self, row: int) -> list[int]:
         """Row's committed tokens this round: accepted drafts, then the bonus."""
@@ -329,10 +330,12 @@ def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "r
     r = anchors.shape[0]
     bands = batch.bands if batch.bands is not None else [temperature_band(t) for t in sampler.temperature.tolist()]
     k, block = policy.decide(bands) if draft is not None else (0, 0)
-    proposal = None
+    proposal, context_s = None, 0.0
     if k:
         assert batch.context is not None and batch.draft_cache is not None
+        t_context = time.perf_counter()
         batch.context.flush(k)
+        context_s = time.perf_counter() - t_context
         sub = sampler if k == r else sampler.select(list(range(k)))
         cache = batch.draft_cache if k == r else batch.draft_cache.slice_rows(0, k)
         proposal = propose(draft, target, cache, anchors[:k], sub, num_drafts=block,
@@ -360,7 +363,7 @@ def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "r
     raw = proposal.raw_confidence if proposal is not None else None
     outcome = RoundOutcome(drafted, verified, accepted, bonus, None if raw is None else raw[:k],
                            k, block if k else 0, draft_s=t_drafted - t_start, plan_s=t_planned - t_drafted,
-                           verify_s=t_verified - t_planned)
+                           verify_s=t_verified - t_planned, context_s=context_s)
     batch.anchors = verdict.bonus
     policy.observe(outcome, proposal, lens)
     return outcome
