@@ -47,8 +47,6 @@ def cmd_corpus(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    if args.compile and args.method != "ar":
-        raise BlockspecError("--compile applies to --method ar (speculative rounds run eagerly)")
     models = load_models(args.target, args.draft, args.method, block_size=args.block_size,
                          chat_template=args.chat_template, **load_options(args))
     # Flags not given fall back to the checkpoint's generation_config.json, then SamplingParams' own defaults.
@@ -79,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(f"[{args.method}] {len(c.tokens)} tokens in {elapsed:.2f}s ({len(c.tokens) / elapsed:.1f} tok/s), "
               f"tau {c.stats.tau:.2f} over {c.stats.rounds} rounds ({drafted} drafted); prefill {t.prefill_s * 1e3:.0f} ms, "
               f"draft {t.draft_s * 1e3:.0f} ms, verify {t.verify_s * 1e3:.0f} ms; finish: {c.finish_reason}"
-              + ("; the time includes compiling the decode step (once per process)" if args.compile else ""),
+              + ("; the time includes compiling the steps (once per process)" if args.compile else ""),
               file=sys.stderr)
 
 
@@ -225,7 +223,8 @@ def _add_generate(sub: Any) -> None:
     add_adapt_flag(p)
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
     p.add_argument("--compile", action="store_true",
-                   help="AR only: torch.compile the decode step (slow first step, faster after)")
+                   help="AR: torch.compile the decode step; speculative methods: captured static round steps "
+                        "(CUDA graphs on a GPU, torch.compile on the CPU); slow first step, faster after")
     p.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(func=cmd_generate)
 

@@ -87,3 +87,21 @@ def test_warm_ar_rounds_price_ar_before_the_first_decision():
     assert gate.decide(1) == (0, 0)
     gate.observe(1, 0, 0, 0, seconds=1.0)
     assert gate.decide(1) == (1, 3)
+
+
+def test_options_of_mixed_bands_equal_the_planner():
+    """The scheduled gate prices 'the first bands draft' with the planner's own rule:
+    its expected tokens and verified drafts equal `plan` over the rows' curves."""
+    from blockspec.decoding.planner import plan
+
+    table = CostTable([1, 8, 32], [1.0, 1.4, 3.0], draft_rows=[1, 8], draft_times_s=[0.3, 1.0])
+    gate = DraftGate(table, window=3, momentum=0.0, prior_rounds=0.0)
+    gate.update(torch.tensor([[0.9, 0.8, 0.5]] * 3), bands=[0, 0, 0])
+    gate.update(torch.tensor([[0.6, 0.2, 0.1]] * 2), bands=[2, 2])
+    groups = band_groups([0, 0, 0, 2, 2])
+    option = next(o for o in gate.options(groups) if (o.rows, o.block) == (5, 3))
+    survival = torch.tensor([gate.curve(0)] * 3 + [gate.curve(2)] * 2, dtype=torch.float64)
+    lens = plan(survival, table, table.draft_time(5, slots=3), base_rows=5)
+    expected = 5 + sum(float(survival[r, :int(n)].sum()) for r, n in enumerate(lens))
+    assert option.tokens == pytest.approx(expected)
+    assert option.table_s == pytest.approx(table.draft_time(5, slots=3) + table.time(5 + int(lens.sum())))

@@ -9,6 +9,7 @@ tokens per second.
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -24,8 +25,9 @@ Groups = tuple[tuple[int, int], ...]   # (band, rows) runs in row order
 # A fruitless exploration doubles the band's interval, up to this many times explore_every:
 # where drafting never pays (sampling at batch 1 on a CPU), exploring costs ~1% of the time.
 MAX_BACKOFF = 16
-# Each measured / predicted round-time ratio is the median of this many latest samples.
-RATIO_SAMPLES = 15
+# Each measured / predicted round-time ratio is the median of this many latest samples:
+# enough that a few slow rounds (another process, a page fault) do not tip a decision.
+RATIO_SAMPLES = 64
 
 
 @dataclass(frozen=True)
@@ -51,50 +53,39 @@ def band_groups(bands: Sequence[int]) -> Groups:
 
 class DraftGate:
     """Which running requests draft this round (all, none, the first bands, or a few to
-    explore), and how long a block they draft.
+    explore), and how long a block they draft (docs/design.md section 5.4).
 
-    Under load a draft forward plus a wider verify can cost more than it returns
-    even when the planner trims the window; when a plain AR round (every request
-    verifies its anchor only) is expected to produce more tokens per second, the
-    round skips the draft. A draft's cost grows with its block, and the first slots
-    are the likeliest to be accepted, so a shorter block can pay where the full one
-    does not: the gate prices each block length the table has draft times for
-    (`CostTable.draft_slot_counts`). Each option asks `admit` (the planner's rule)
-    what the round would deliver per second with every drafting row showing its
-    band's running mean survival curve, counting the draft time.
+    Options: a plain AR round (every request verifies its anchor only) or "the first
+    b bands draft a block of s slots", for every block length the table has draft
+    times for (`CostTable.draft_slot_counts`; a shorter block costs less to draft
+    and keeps the likeliest slots). Each is priced by `admit` (the planner's rule)
+    with every drafting row showing its band's survival curve, counting the draft
+    time, and the best expected tokens per second wins.
 
     Acceptance is learned per temperature band: greedy rows accept far more than
-    sampled ones, and a mixed batch must not average them. Until a band is measured,
-    and after `explore_every` rounds in a row in which it did not draft, the first
-    `explore_rows` rows of that band draft a full block (a small forward that
-    measures every slot; the bands before it draft too, since drafting rows are a
-    prefix); each exploration that does not win the band back doubles its interval, so a load where drafting never pays spends little on it while the
-    estimate still follows the text (up to MAX_BACKOFF x). A band's curve is a decayed mean over
-    request-rounds (each request-round's weight decays by
-    momentum ** (1 / explore_rows) per later request-round: about 80 request-rounds
-    of memory), next to an optimistic prior worth `prior_rounds` request-rounds of
-    full survival: a few hard tokens at the start must not switch drafting off for
-    the easy ones after them, yet at batch 1 the measured acceptance takes over
-    within a few dozen rounds.
+    sampled ones, and a mixed batch must not average them. A band's curve is a
+    decayed mean over request-rounds (each weighs momentum ** (1 / explore_rows)
+    less per later request-round: about 80 request-rounds of memory) next to an
+    optimistic prior worth `prior_rounds` request-rounds of full survival.
+    Exploration: an unmeasured band drafts first (its first `explore_rows` rows, the
+    full block; the bands before it draft too, drafting rows being a prefix); a band
+    that does not draft, or drafts a shorter block, drafts the full block again
+    after `explore_every` rounds, each exploration doubling its interval up to
+    MAX_BACKOFF x, so a load where drafting never pays spends little on it.
     Hysteresis: the option chosen last keeps winning unless another is expected to
     be `hysteresis` faster, so equal loads do not flap between AR and drafting.
 
-    warm_ar_rounds (with measured round times fed back): AR rounds run first, so
-    their real cost is known before the first decision (the table alone may
-    misprice them, and a gate that keeps drafting would never measure them).
+    The table prices forward passes only, profiled apart from the decoding loop;
+    `observe` feeds back each finished round's wall time (bookkeeping, sampling and
+    context upkeep included) and each option's price is scaled by the median ratio
+    measured / predicted of its kind of round (AR by rows; drafting by drafting rows
+    and block length). warm_ar_rounds (with times fed back): AR rounds run before
+    the first decision, so AR is priced by measurement, not by the table alone.
 
     Decisions use only past rounds, never the current round's draws, and undrafted
     rows are lossless AR steps, so the output distribution is unchanged.
-
     full_window: the drafting rows verify every draft of their block (DFlash,
-    DSpark unscheduled) instead of the planned lengths.
-
-    The table prices forward passes only, profiled apart from the decoding loop.
-    `observe` feeds back each finished round's wall time (bookkeeping, sampling and
-    context upkeep included); the gate scales the table's predictions by the
-    running ratio measured / predicted, kept apart for drafting and AR rounds, per
-    row count and (drafting) per block length, so it compares the rates really
-    achieved; one sample moves a ratio at most 1.5x (robust to a descheduled thread)."""
+    DSpark unscheduled) instead of the planned lengths."""
 
     def __init__(self, table: CostTable, window: int, momentum: float = 0.95, explore_every: int = 8,
                  min_survival: float = 0.0, explore_rows: int = 4, full_window: bool = False,
@@ -115,7 +106,7 @@ class DraftGate:
         # Per band and slot: decayed sums of measured survival and of request-rounds.
         self._sums: dict[int, torch.Tensor] = {}
         self._weights: dict[int, torch.Tensor] = {}
-        self.skipped: dict[int, int] = {}           # band -> undrafted rounds since it last drafted
+        self.skipped: dict[int, int] = {}           # band -> rounds since it last drafted the full block
         self.interval: dict[int, int] = {}          # band -> current exploration interval (backs off)
         self._options: dict[Groups, list[Option]] = {}   # until the next update
         self._last: dict[Groups, tuple[int, int]] = {}   # the option chosen last, per batch make-up
@@ -163,8 +154,9 @@ class DraftGate:
                 if self.full_window:
                     tokens = rows + sum(n_ * sum(c[:block]) for c, n_ in curves)
                     verified = drafting * block
-                else:   # plan() for these rows: slots in descending survival, ties by slot
-                    slots = sorted((s for c, n_ in curves for s in c[:block] for _ in range(n_)), reverse=True)
+                else:   # plan() for these rows: slots in descending survival (each curve is already)
+                    runs = [[x for x in c[:block] for _ in range(n_)] for c, n_ in curves]
+                    slots = runs[0] if len(runs) == 1 else list(heapq.merge(*runs, reverse=True))
                     verified, tokens = admit(slots, rows, times, t_draft, self.min_survival)
                 out.append(Option(drafting, block, tokens, t_draft + times[rows + verified]))
         self._options[groups] = out

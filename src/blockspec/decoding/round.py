@@ -252,7 +252,8 @@ class DraftContext(Protocol):
 
 
 class DirectContext:
-    """Appends every round's features to the draft cache at once (`generate`)."""
+    """Appends every round's features to the draft cache at once (the simplest context:
+    eager references in tests; `generate` and the engine buffer them in `PendingContext`)."""
 
     def __init__(self, draft: DraftModel, cache: KVCache) -> None:
         self.draft, self.cache = draft, cache

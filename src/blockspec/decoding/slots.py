@@ -41,6 +41,16 @@ class PendingContext:
         r, w, f = features.shape
         if self.buf is None:
             self.buf = features.new_zeros(self.cache.rows, self.capacity, f)
+        if w == 1:   # an AR round: one feature per row, nothing to read from the device
+            lengths = self.lengths[:r]
+            top = int(lengths.max()) + 1
+            if top > self.capacity:
+                raise BlockspecError("pending draft context overflow (flush before adding)")  # engine invariant
+            self.buf[torch.arange(r, device=features.device), lengths.to(features.device)] = features[:, 0]
+            lengths += 1
+            if self.capacity - top <= self.window:   # the next round could overflow it
+                self.flush(r)
+            return
         counts = counts.to("cpu")
         if int((self.lengths[:r] + counts).max()) > self.capacity:
             raise BlockspecError("pending draft context overflow (flush before adding)")  # engine invariant
