@@ -315,3 +315,24 @@ def test_markdown_report_has_the_throughput_table(bench):
     md = render_markdown(with_conc)
     assert "## Engine throughput vs concurrency (output tokens/s)" in md
     assert "| concurrency | ar | dspark |" in md and "| 4 | 300.00 | 420.25 |" in md
+
+
+def test_adaptive_and_fixed_arms_side_by_side(models):
+    """--also-fixed: every speculative method runs as users run it (adaptive) and with fixed
+    full windows; the two arms of one draft share one calibration pass (one table row)."""
+    out = models / "out_policies"
+    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], ["ar", "dflash", "dspark"],
+                        temperatures=[0.0], max_new_tokens=MAX_NEW, limit=LIMIT, repeats=1, out_dir=out,
+                        ignore_eos=True, policies=("adaptive", "fixed"))
+    labels = [r["label"] for r in results["rows"]]
+    assert labels == ["ar", "dflash B=4 adaptive", "dflash B=4 fixed", "dspark B=3 adaptive", "dspark B=3 fixed"]
+    drafted = {r["label"]: r["drafted"] for r in results["rows"]}
+    assert drafted["ar"] is None and drafted["dflash B=4 fixed"] == drafted["dspark B=3 fixed"] == 1.0
+    assert 0.0 < drafted["dflash B=4 adaptive"] <= 1.0      # the first round of a band always drafts
+    dspark = [r for r in results["rows"] if r["method"] == "dspark"]
+    assert dspark[0]["calibration"] == dspark[1]["calibration"] is not None
+    md = (out / "results.md").read_text()
+    assert md.split("Confidence-head calibration")[1].count("| dspark |") == 1
+    with pytest.raises(BlockspecError, match="policies"):
+        run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], ["ar"], limit=1,
+                  out_dir=out, policies=("sometimes",))

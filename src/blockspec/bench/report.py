@@ -30,9 +30,9 @@ __all__ = ["TABLE_COLUMNS", "CALIBRATION_COLUMNS", "summarize", "group_plots", "
            "slug"]
 
 
-TABLE_COLUMNS = ["dataset", "method", "mode", "temperature", "block_size", "drafts", "tau", "rep8", "looping",
-                 "parse_body", "tokens_per_s",
-                 "speedup", "efficiency", "projected_speedup", "t_draft_ms", "t_verify_ms", "t_ar_ms", "ece", "auroc"]
+TABLE_COLUMNS = ["dataset", "method", "mode", "temperature", "block_size", "drafts", "drafted", "tau", "rep8",
+                 "looping", "parse_body", "tokens_per_s", "speedup", "efficiency", "projected_speedup", "t_draft_ms",
+                 "t_verify_ms", "t_ar_ms", "ece", "auroc"]
 CALIBRATION_COLUMNS = ["dataset", "method", "temperature", "block_size", "n", "ece", "brier", "auroc"]
 
 
@@ -72,6 +72,8 @@ def summarize(arm: Arm, total: ArmTotals, ar: ArmTotals, group: dict[str, Any]) 
     row["projected_speedup"] = _projected(tau, row["t_ar_ms"], row["t_draft_ms"], row["t_verify_ms"])
     if total.has_rounds:
         row["acceptance"] = total.acceptance.to_dict()
+        # Share of rounds that drafted: the adaptive policy runs AR rounds where drafting does not pay.
+        row["drafted"] = total.acceptance.drafted_share if arm.draft is not None else None
     row["degeneracy"] = degeneracy(total.outputs)
     row["rep8"], row["looping"] = row["degeneracy"]["share"], row["degeneracy"]["looping_share"]
     return row
@@ -135,8 +137,9 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += [f"target `{meta['target']}` ({meta['dtype']}, {meta['device']}), {meta['machine']}; "
               f"max_new_tokens {meta['max_new_tokens']}, repeats {meta['repeats']} (median), "
               "interleaved arms; tau includes the bonus token; block_size in each draft's own layout "
-              "convention (zlab: incl. anchor, drafts = B-1; deepspec: drafts = gamma). "
-              "Times: t_draft / t_verify per round, t_ar per AR step, in ms; projected_speedup = "
+              "convention (zlab: incl. anchor, drafts = B-1; deepspec: drafts = gamma); adaptive = the default "
+              "policy (drafts only where it pays), fixed = every round drafts the full window; drafted = share "
+              "of rounds that drafted. Times (averages over all rounds, AR rounds included): t_draft / t_verify per round, t_ar per AR step, in ms; projected_speedup = "
               "tau * t_ar / (t_draft + t_verify).", "",
               f"Degeneracy of the decoded text, next to tau: rep{REPEAT_N} = share of generated tokens inside "
               f"a repeated {REPEAT_N}-gram of their own completion (token i counts when some {REPEAT_N}-token "
@@ -145,8 +148,10 @@ def render_markdown(results: dict[str, Any]) -> str:
               "the function's end, parses with a body beyond docstring / pass (blank: no code prompts). "
               "A high rep8 means tau measures a loop, not the method.", ""]
     lines += [markdown_table([_table_row(r) for r in results["rows"]], TABLE_COLUMNS), ""]
-    cal_rows = [dict(r["calibration"], dataset=r["dataset"], method=r["method"], temperature=r["temperature"],
-                     block_size=r["block_size"]) for r in results["rows"] if r.get("calibration")]
+    # One row per draft: its adaptive and fixed arms share one calibration pass.
+    cal_rows = list({(r["dataset"], r["method"], r["temperature"], r["block_size"]): dict(
+        r["calibration"], dataset=r["dataset"], method=r["method"], temperature=r["temperature"],
+        block_size=r["block_size"]) for r in results["rows"] if r.get("calibration")}.values())
     if cal_rows:
         lines += ["## Confidence-head calibration (survival s_k vs prefix acceptance)", "",
                   markdown_table(cal_rows, CALIBRATION_COLUMNS), ""]

@@ -180,12 +180,15 @@ def _run_group(arms: list[Arm], prompts: list[BenchPrompt], prompt_ids: list[lis
     rows = [summarize(a, t, totals[0], group) for a, t in zip(arms, totals)]
     for row, total in zip(rows, totals):
         _code_quality(row, total, prompts, tokenizer)
+    by_draft: dict[int, dict[str, Any]] = {}   # adaptive and fixed arms of one draft share its calibration
     for row, arm in zip(rows, arms):
         if calibrates(arm):
             assert arm.draft is not None
-            label = f"calibration {arm.label}"
-            row["calibration"] = collect_calibration(setup.target, arm.draft, prompt_ids, params, setup.rule,
-                                                     tick=lambda: tick(label))
+            if id(arm.draft) not in by_draft:
+                label = f"calibration {arm.method} B={arm.block_size}"
+                by_draft[id(arm.draft)] = collect_calibration(setup.target, arm.draft, prompt_ids, params, setup.rule,
+                                                              tick=lambda: tick(label))
+            row["calibration"] = by_draft[id(arm.draft)]
     return rows
 
 
@@ -193,7 +196,8 @@ def _run_all(arms: list[Arm], sets: EncodedSets, setup: BenchSetup, tokenizer: A
              progress: bool) -> tuple[list[dict[str, Any]], list[Path]]:
     """Every dataset x temperature group, under one progress bar; rows and the plots written."""
     n_prompts = sum(len(ids) for _, ids in sets.values())
-    total = len(arms) + len(setup.temperatures) * n_prompts * (len(arms) * setup.repeats + sum(map(calibrates, arms)))
+    calibrated = len({id(a.draft) for a in arms if calibrates(a)})
+    total = len(arms) + len(setup.temperatures) * n_prompts * (len(arms) * setup.repeats + calibrated)
     rows: list[dict[str, Any]] = []
     plot_files: list[Path] = []
     with _progress(progress, total) as tick:

@@ -118,6 +118,12 @@ class AcceptanceStats:
         return self.accepted + self.rounds
 
     @property
+    def drafted_share(self) -> float:
+        """Share of rounds that verified at least one draft (the rest were AR rounds); ``nan`` when empty."""
+        drafted = sum(c for (n, _), c in self.counts.items() if n > 0)
+        return drafted / self.rounds if self.rounds else math.nan
+
+    @property
     def max_drafts(self) -> int:
         """Largest ``num_drafts`` seen (0 when empty)."""
         return max((n for (n, _), c in self.counts.items() if c), default=0)
