@@ -12,13 +12,26 @@ from blockspec.config import SamplingParams
 from blockspec.decoding.captured import CapturedSteps, captured_steps, release_captured, row_bucket
 from blockspec.decoding.generate import generate
 from blockspec.decoding.policy import FullWindow
-from blockspec.decoding.round import DirectContext, Proposal, RoundInputs, prefill, speculative_round
+from blockspec.decoding.round import Proposal, RoundInputs, prefill, speculative_round
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
 from conftest import make_draft, make_target
 
 PROMPTS = {1: [[5, 9, 2, 7]], 3: [[3, 4, 5], [7, 1, 2, 9, 4, 8, 11, 6], [12, 30]],
            5: [[3, 4, 5], [7, 1, 2, 9, 4, 8], [12, 30, 2, 2], [8], [21, 22, 23, 24, 25, 26, 27]]}
+
+
+class DirectContext:
+    """The eager reference's draft context: every round's features appended at once."""
+
+    def __init__(self, draft, cache) -> None:
+        self.draft, self.cache = draft, cache
+
+    def flush(self, rows: int) -> None:
+        pass
+
+    def add(self, features: torch.Tensor, counts: torch.Tensor) -> None:
+        self.draft.append_context(self.cache, features, counts)
 
 
 def models(method: str, dtype: torch.dtype = torch.float64):

@@ -304,13 +304,15 @@ class Engine:
         """One round for every running request, then their tokens streamed."""
         t_start = time.perf_counter()
         reqs = self._running
+        bands = [q.params.band for q in reqs]
         with self._lock:   # band order, greedy first: drafting rows are a prefix
-            for a, b in self.slots.order_by_band([q.params.band for q in reqs]):
+            for a, b in self.slots.order_by_band(bands):
                 reqs[a], reqs[b] = reqs[b], reqs[a]
+                bands[a], bands[b] = bands[b], bands[a]
         view, draft_view = self.slots.views(0, len(reqs))
         anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.long, device=self.target.device)
         batch = RoundInputs(self.target, self.draft, view, draft_view, self.slots.pending, anchors,
-                            self._sampler(reqs), [q.params.band for q in reqs])
+                            self._sampler(reqs), bands)
         forced = self.forced_acceptance(len(reqs)) if self.forced_acceptance is not None else None
         outcome = speculative_round(batch, self.policy, rule=self.rule, packed=True, forced=forced)
         for i, req in enumerate(reqs):

@@ -127,10 +127,12 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     for r, tok in zip(active, batch.inputs.anchors.tolist()):
         _emit(states[r], r, [tok], on_tokens)
     while True:
-        active = _drop_finished(batch.inputs, active, states)
-        if not active:
+        kept = _drop_finished(batch.inputs, active, states)
+        if not kept:
             break
-        batch.inputs.bands = [params[r].band for r in active]
+        if kept != active or batch.inputs.bands is None:   # the batch changed: its rows' bands
+            batch.inputs.bands = [params[r].band for r in kept]
+        active = kept
         forced = None
         if forced_acceptance is not None:
             forced = torch.full((len(active),), next(forced_acceptance), device=target.device)

@@ -251,20 +251,6 @@ class DraftContext(Protocol):
         """Row r (of the first features.shape[0]) committed the tokens of its first counts[r] features."""
 
 
-class DirectContext:
-    """Appends every round's features to the draft cache at once (the simplest context:
-    eager references in tests; `generate` and the engine buffer them in `PendingContext`)."""
-
-    def __init__(self, draft: DraftModel, cache: KVCache) -> None:
-        self.draft, self.cache = draft, cache
-
-    def flush(self, rows: int) -> None:
-        pass
-
-    def add(self, features: torch.Tensor, counts: torch.Tensor) -> None:
-        self.draft.append_context(self.cache, features, counts)
-
-
 class RoundPolicy(Protocol):
     """Drafting decisions of a round (decoding/policy.py): who drafts how long a block,
     how many drafts each row verifies, and what the round taught."""
