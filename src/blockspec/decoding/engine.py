@@ -82,8 +82,7 @@ class Engine:
     once per machine and model pair). Memory (`memory.plan_for_models`): rows =
     min(max_running, slots that fit kv_memory_gb, else gpu_memory_utilization of
     the free memory); slots of max_model_len positions. prefill_chunk_tokens:
-    longer prompts are prefilled that many tokens per step (`prefill_chunks`;
-    None: 2048 on CUDA, 512 on CPU)."""
+    longer prompts are prefilled that many tokens per step (None: 2048 on CUDA, 512 on CPU)."""
 
     # Benchmarks only (simulated acceptance, NOT lossless): rows -> accepted-draft counts imposed
     # on the round (clamped to what each row verified); None: the acceptance rule decides.
@@ -307,8 +306,7 @@ class Engine:
         bands = [q.params.band for q in reqs]
         with self._lock:   # band order, greedy first: drafting rows are a prefix
             for a, b in self.slots.order_by_band(bands):
-                reqs[a], reqs[b] = reqs[b], reqs[a]
-                bands[a], bands[b] = bands[b], bands[a]
+                reqs[a], reqs[b], bands[a], bands[b] = reqs[b], reqs[a], bands[b], bands[a]
         view, draft_view = self.slots.views(0, len(reqs))
         anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.long, device=self.target.device)
         batch = RoundInputs(self.target, self.draft, view, draft_view, self.slots.pending, anchors,
