@@ -40,8 +40,9 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
 
 
 def cmd_corpus(args: argparse.Namespace) -> None:
-    manifest = build_corpus(Path(args.out), val_percent=args.val_percent)
-    print(json.dumps({k: v for k, v in manifest.items() if k != "file_list"}))
+    manifest = build_corpus(Path(args.out), val_percent=args.val_percent, packages=args.packages,
+                            val_package_percent=args.val_package_percent)
+    print(json.dumps({k: v for k, v in manifest.items() if k not in ("file_list", "packages")}))
     if args.tokenizer_out:
         train_tokenizer(Path(args.out), Path(args.tokenizer_out), args.vocab_size)
 
@@ -284,8 +285,12 @@ def _add_calibrate(sub: Any) -> None:
 def _add_corpus(sub: Any) -> None:
     p = sub.add_parser("corpus", help="build the offline Python code corpus (+ BPE tokenizer)")
     p.add_argument("--out", default="runs/corpus")
-    p.add_argument("--val-percent", type=int, default=2)
-    p.add_argument("--tokenizer-out", default="runs/tokenizer")
+    p.add_argument("--val-percent", type=int, default=2, help="stdlib files held out (by path hash)")
+    p.add_argument("--packages", action=argparse.BooleanOptionalAction, default=True,
+                   help="add the installed distributions' Python sources (default: yes)")
+    p.add_argument("--val-package-percent", type=int, default=6,
+                   help="installed distributions held out whole (by name hash)")
+    p.add_argument("--tokenizer-out", default="runs/tokenizer", help="train a BPE tokenizer here ('' = none)")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.set_defaults(func=cmd_corpus)
 
