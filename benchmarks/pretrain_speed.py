@@ -3,7 +3,7 @@ for one target shape (the pretraining loop's own train_step, fused AdamW, random
 Variants interleaved per repeat; tokens/s is the median over repeats of `--steps` timed steps
 (after one warm-up step per variant, which for compiled variants includes compiling).
 
-    python benchmarks/pretrain_speed.py [--shape 384x12] [--batch 8] [--seq 1024] [--steps 3] [--repeats 3]
+    python benchmarks/pretrain_speed.py [--shape 384x12] [--batch 8] [--seq 1024] [--steps 3] [--repeats 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", default="float32,bfloat16,float32+compile,bfloat16+compile")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     hidden, layers = (int(x) for x in args.shape.split("x"))
     cfg = PretrainConfig(hidden_size=hidden, num_layers=layers, num_heads=hidden // 64, num_kv_heads=2,
                          head_dim=64, intermediate_size=3 * hidden, max_position_embeddings=args.seq,

@@ -4,6 +4,7 @@ in the same run, interleaved, medians over repeats. Block layout: z-lab (block B
 includes the anchor, window B).
 
     python benchmarks/round_cost.py [--target DIR] [--draft DIR] [--context 256] [--repeats 30]
+    python benchmarks/round_cost.py --target-shape 384x12 --draft-layers 1,2   # candidate shapes, random weights
 """
 
 from __future__ import annotations
@@ -19,15 +20,30 @@ from blockspec.config import DraftConfig, SamplingParams
 from blockspec.decoding.sampling import RowSampler
 from blockspec.decoding.round import prefill, propose, verify_and_commit
 from blockspec.models.draft import DraftModel
+from blockspec.models.target import TargetModel
+from blockspec.training.pretrain import PretrainConfig, init_weights, model_config
 
 
-def build_draft(target, path: str | None, block: int) -> DraftModel:
+def random_target(shape: str) -> TargetModel:
+    """A random target of the pretraining recipe's shape rules (head_dim 64, 3x MLP, 2 KV heads):
+    weights do not change the timing."""
+    hidden, layers = (int(x) for x in shape.split("x"))
+    cfg = PretrainConfig(hidden_size=hidden, num_layers=layers, num_heads=hidden // 64, num_kv_heads=2,
+                         head_dim=64, intermediate_size=3 * hidden, max_position_embeddings=4096)
+    model = TargetModel(model_config(cfg, 8192, 0))
+    init_weights(model)
+    return model.eval().requires_grad_(False)
+
+
+def build_draft(target, path: str | None, block: int, layers: int = 1) -> DraftModel:
     if path:
         return load_draft(path, target=target).with_block_size(block)
-    tc = target.config  # weights do not change the timing: a random draft of the shipped shape
-    cfg = DraftConfig(layout="zlab", block_size=block, mask_token_id=2, target_layer_ids=[1, 4, 6],
-                      num_target_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size,
-                      intermediate_size=tc.intermediate_size, num_hidden_layers=1,
+    tc = target.config  # weights do not change the timing: a random draft of the given depth
+    n = tc.num_hidden_layers
+    cfg = DraftConfig(layout="zlab", block_size=block, mask_token_id=2,
+                      target_layer_ids=sorted({1, n // 2, n - 2}),
+                      num_target_layers=n, hidden_size=tc.hidden_size,
+                      intermediate_size=tc.intermediate_size, num_hidden_layers=layers,
                       num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
                       head_dim=tc.head_dim, vocab_size=tc.vocab_size)
     return DraftModel(cfg).eval().requires_grad_(False)
@@ -66,18 +82,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=None)
     ap.add_argument("--draft", default=None, help="a trained z-lab draft (default: random of the shipped shape)")
+    ap.add_argument("--target-shape", default=None, help="HIDDENxLAYERS: a random target of that shape")
+    ap.add_argument("--draft-layers", default="1", help="random drafts of these depths (comma list)")
+    ap.add_argument("--blocks", default="4,8,16")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
     torch.manual_seed(0)
-    target = load_target(args.target or embedded.default_target())
-    print(f"batch 1, context {args.context} tokens, {torch.get_num_threads()} threads, medians of {args.repeats}")
-    print("| block | T_draft ms | T_verify ms | T_ar ms | (T_draft+T_verify)/T_ar |")
-    print("|---|---|---|---|---|")
-    for block in (4, 8, 16):
-        r = measure(target, build_draft(target, args.draft, block), args.context, args.repeats)
-        ratio = (r["draft_ms"] + r["verify_ms"]) / r["ar_ms"]
-        print(f"| {block} | {r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['ar_ms']:.2f} | {ratio:.2f} |")
+    target = random_target(args.target_shape) if args.target_shape else \
+        load_target(args.target or embedded.default_target())
+    depths = [None] if args.draft else [int(x) for x in args.draft_layers.split(",")]
+    tc = target.config
+    print(f"batch 1, target {tc.hidden_size}x{tc.num_hidden_layers}, context {args.context} tokens, "
+          f"{torch.get_num_threads()} threads, medians of {args.repeats}")
+    print("| draft layers | block | T_draft ms | T_verify ms | T_ar ms | T_draft/T_ar | T_verify/T_ar | "
+          "(T_draft+T_verify)/T_ar |")
+    print("|---|---|---|---|---|---|---|---|")
+    for depth in depths:
+        for block in (int(b) for b in args.blocks.split(",")):
+            draft = build_draft(target, args.draft, block, depth or 1)
+            r = measure(target, draft, args.context, args.repeats)
+            d, v, a = r["draft_ms"], r["verify_ms"], r["ar_ms"]
+            print(f"| {draft.config.num_hidden_layers} | {block} | {d:.2f} | {v:.2f} | {a:.2f} | {d / a:.2f} | "
+                  f"{v / a:.2f} | {(d + v) / a:.2f} |")
 
 
 if __name__ == "__main__":
