@@ -7,8 +7,9 @@ import os
 import torch
 import pytest
 
-from blockspec.config import DraftConfig, TargetConfig
+from blockspec.config import DraftConfig, Eagle3Config, TargetConfig
 from blockspec.models.draft import DraftModel
+from blockspec.models.eagle3 import Eagle3Draft
 from blockspec.models.target import TargetModel
 
 torch.set_num_threads(1)
@@ -62,6 +63,23 @@ def make_draft(target: TargetModel, layout: str = "zlab", block_size: int = 4, s
             if p.dim() == 2:
                 p.normal_(0, 0.3)
     return draft.to(dtype or target.dtype).eval().requires_grad_(False)
+
+
+def make_eagle3(target: TargetModel, draft_vocab: int = 40, seed: int = 1, layer_ids: list[int] | None = None,
+                **kw) -> Eagle3Draft:
+    """A random EAGLE-3 draft for `target` whose vocabulary is `draft_vocab` random tokens."""
+    tc = target.config
+    cfg = Eagle3Config(hidden_size=tc.hidden_size, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, vocab_size=tc.vocab_size, draft_vocab_size=draft_vocab,
+                       target_hidden_size=tc.hidden_size, target_layer_ids=layer_ids or [0, 1, 2], rope=tc.rope, **kw)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    draft.set_vocabulary(torch.randperm(tc.vocab_size)[:draft_vocab].sort().values)
+    return draft.to(target.dtype).eval().requires_grad_(False)
 
 
 @pytest.fixture

@@ -140,3 +140,15 @@ def limit_mask(first_limit: torch.Tensor, q_len: int, kv_len: int, causal: bool)
     if backend_for(first_limit.device) == "flex":
         return KeyMask(block=limit_block_mask(first_limit, q_len, kv_len, causal))
     return KeyMask(dense=dense_limit_mask(first_limit, q_len, kv_len, causal))
+
+
+def append_mask(lengths: torch.Tensor, width: int, upto: int, fresh: bool) -> KeyMask:
+    """Keys of `width` tokens appended causally after rows of `lengths` [R]: query t of row r
+    sees slots <= lengths[r] + t of [0, upto). fresh (every row was empty): the block attends
+    to itself (SDPA is_causal, no mask; padding queries of right-padded rows are never read);
+    one row's one token sees its whole cache; else a per-row limit (`limit_mask`)."""
+    if fresh:
+        return KeyMask(self_causal=True)
+    if lengths.shape[0] == 1 and width == 1:
+        return ALL_KEYS
+    return limit_mask(lengths + 1, width, upto, causal=True)

@@ -6,7 +6,7 @@ config field that disagrees) and the weights' size against the device's free mem
 The model is then built on the meta device, allocated uninitialised on its device in
 its dtype, and filled tensor by tensor from the files (`models.weights.TensorReader`:
 no random init, no float32 detour, no whole-shard copy), each tensor checked for NaN /
-Inf unless `allow_nonfinite`. Draft checkpoints (z-lab / DeepSpec) load the same way.
+Inf unless `allow_nonfinite`. Draft checkpoints (z-lab / DeepSpec, EAGLE-3) load the same way.
 
 dtype arguments: a name ("float32", "bfloat16", ...), "auto" (the checkpoint's dtype:
 config `torch_dtype` / `dtype`, else the dtype of most of its weight bytes, as
@@ -25,14 +25,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from blockspec.config import DraftConfig, GenerationDefaults, TargetConfig, read_json
+from blockspec.config import DraftConfig, Eagle3Config, GenerationDefaults, TargetConfig, read_json
 from blockspec.interop import EngineCompatibilityWarning, save_problems
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
+from blockspec.models.eagle3 import Eagle3Draft
 from blockspec.models.layers import RotaryEmbedding
-from blockspec.models.sizing import build_on_meta, check_against_headers, check_fits, draft_size, target_size
+from blockspec.models.sizing import (build_on_meta, check_against_headers, check_fits, draft_size, eagle3_size,
+                                    target_size)
 from blockspec.models.target import TargetModel
-from blockspec.models.weights import TensorHeader, TensorReader, check_float, read_headers
+from blockspec.models.weights import TensorHeader, TensorReader, check_float, read_headers, read_tensor
 from blockspec.models.weights import read_tensors  # noqa: F401  (re-exported: training resume states)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -269,3 +271,99 @@ def save_draft(model: DraftModel, directory: str | Path, dtype: str | torch.dtyp
     save_checkpoint(directory, config, tensors, torch_dtype)
     for problem in save_problems(config, {k: tuple(v.shape) for k, v in tensors.items()}):
         warnings.warn(f"saved draft {directory}: {problem}", EngineCompatibilityWarning, stacklevel=2)
+
+
+# -- EAGLE-3 drafts (docs/design.md section 6) -------------------------------------------------
+EAGLE3_MAPS = ("d2t", "t2d")
+
+
+def _eagle3_name(name: str) -> str:
+    """A file's tensor name as the model's: HF's `model.` prefix dropped, and vLLM's
+    `layers.0.` spelling of the one layer read as `midlayer.` (SGLang reads only the latter)."""
+    name = name.removeprefix("model.")
+    return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+
+
+def _vocabulary_maps(headers: dict[str, TensorHeader], cfg: Eagle3Config) -> torch.Tensor:
+    """The target id of every draft token, from d2t (offsets: target = draft + d2t[draft], as
+    vLLM and SGLang read it), checked against t2d when the file has one. No d2t: the identity,
+    allowed only for a full-vocabulary draft."""
+    what, vd, v = "EAGLE-3 draft", cfg.draft_vocab_size, cfg.vocab_size
+    if "d2t" not in headers:
+        if vd != v:
+            raise BlockspecError(f"{what}: no d2t tensor, but draft_vocab_size {vd} < vocab_size {v} needs one")
+        return torch.arange(v)
+    d2t = read_tensor(headers["d2t"], what)
+    if d2t.shape != (vd,) or d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise BlockspecError(f"{what}: d2t must be an integer tensor of shape ({vd},) (draft_vocab_size), got "
+                             f"{str(d2t.dtype).removeprefix('torch.')} {tuple(d2t.shape)}")
+    ids = torch.arange(vd) + d2t.long()
+    if bool(((ids < 0) | (ids >= v)).any()) or torch.unique(ids).numel() != vd:
+        raise BlockspecError(f"{what}: d2t maps draft tokens outside the {v}-token vocabulary or two onto one token")
+    if "t2d" in headers:
+        t2d = read_tensor(headers["t2d"], what)
+        if t2d.shape != (v,) or t2d.is_floating_point():
+            raise BlockspecError(f"{what}: t2d must be a bool (or 0/1 integer) tensor of shape ({v},) (vocab_size)")
+        if not torch.equal(t2d.bool(), torch.isin(torch.arange(v), ids)):
+            raise BlockspecError(f"{what}: t2d does not mark exactly the target tokens d2t maps to")
+    return ids
+
+
+def load_eagle3(directory: str | Path, dtype: str | torch.dtype | None = None,
+                device: str | torch.device | None = "cpu", target: TargetModel | None = None, *,
+                allow_nonfinite: bool = False) -> Eagle3Draft:
+    """An EAGLE-3 draft in the LlamaForCausalLMEagle3 layout; checked against `target` if given.
+    An `embed_tokens` tensor in the file becomes the draft's own embedding; without one the
+    draft borrows the target's (its hidden size must then be the target's)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise BlockspecError(f"EAGLE-3 draft: {directory} is not a directory")
+    dev = resolve_device(device)
+    cfg = Eagle3Config.load(directory)
+    if target is not None:
+        cfg.check_target(target.config)
+    what = "EAGLE-3 draft"
+    headers: dict[str, TensorHeader] = {}
+    for name, header in read_headers(directory, what).items():
+        key = _eagle3_name(name)
+        if key in headers:
+            raise BlockspecError(f"{what}: tensor '{key}' appears twice (under two spellings)")
+        if key.startswith(("layers.", "additional_layers.")):
+            raise BlockspecError(f"{what}: tensor '{name}' belongs to a second decoder layer; only one-layer "
+                                 "EAGLE-3 drafts are supported")
+        if key not in EAGLE3_MAPS and not _inv_freq_entry(key):
+            check_float(header, what, key)
+        headers[key] = header
+    own = "embed_tokens.weight" in headers
+    if not own and target is not None and cfg.hidden_size != target.config.hidden_size:
+        raise BlockspecError(f"{what}: no embed_tokens in the checkpoint and hidden_size {cfg.hidden_size} differs "
+                             f"from the target's {target.config.hidden_size}: the target's embedding cannot be used")
+    size = eagle3_size(cfg, own)
+    check_against_headers(size, {k: h for k, h in headers.items() if k not in EAGLE3_MAPS and not _inv_freq_entry(k)},
+                          what)
+    vocabulary = _vocabulary_maps(headers, cfg)
+    if dtype is None and target is not None:
+        dtype = target.dtype
+    torch_dtype = resolve_dtype(dtype, dev, lambda: stored_dtype(directory, headers))
+    check_fits(size, torch_dtype, dev, what)
+    model = build_empty(lambda: Eagle3Draft(cfg, own), torch_dtype, dev)
+    _rotary(model, cfg.head_dim, cfg.rope, dev)
+    fill_weights(model, headers, what, allow_nonfinite, skip=EAGLE3_MAPS)
+    model.set_vocabulary(vocabulary)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def save_eagle3(model: Eagle3Draft, directory: str | Path, dtype: str | torch.dtype | None = None) -> None:
+    """The draft in the LlamaForCausalLMEagle3 layout: config.json (both spellings of the
+    auxiliary layers) and model.safetensors with `midlayer.*`, `fc`, `norm`, `lm_head`, d2t
+    (int64 offsets) and t2d (bool), as SpecForge writes them; `embed_tokens` only when the
+    draft has its own. Warns (EngineCompatibilityWarning) where an engine would read it
+    differently."""
+    torch_dtype = parse_dtype(dtype) if dtype is not None else model.dtype
+    tensors = {k: (v if k in EAGLE3_MAPS else v.to(torch_dtype)).detach().cpu() for k, v in model.state_dict().items()}
+    save_checkpoint(directory, model.config.to_dict(), tensors, torch_dtype)
+    if model.config.norm_before_residual:
+        warnings.warn(f"saved EAGLE-3 draft {directory}: norm_before_residual is true, which SGLang does not read "
+                      "(it takes the residual before hidden_norm): the draft runs wrongly there",
+                      EngineCompatibilityWarning, stacklevel=2)

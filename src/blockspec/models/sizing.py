@@ -20,9 +20,10 @@ from typing import TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
-from blockspec.config import DraftConfig, TargetConfig
+from blockspec.config import DraftConfig, Eagle3Config, TargetConfig
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
+from blockspec.models.eagle3 import Eagle3Draft
 from blockspec.models.target import TargetModel
 from blockspec.models.weights import TensorHeader
 
@@ -47,7 +48,7 @@ FIELDS = {
     "down_proj.weight": ("hidden_size", "intermediate_size"),
     "input_layernorm.weight": ("hidden_size",), "post_attention_layernorm.weight": ("hidden_size",),
     "norm.weight": ("hidden_size",), "hidden_norm.weight": ("hidden_size",),
-    "fc.weight": ("hidden_size", "len(target_layer_ids) x hidden_size"),
+    "fc.weight": ("hidden_size", "len(target_layer_ids) x hidden_size (EAGLE-3: 3 x target_hidden_size)"),
     "markov_w1.weight": ("vocab_size", "markov_rank"),
     "markov_w2.weight": ("vocab_size", "markov_rank"),
 }
@@ -149,6 +150,12 @@ def target_size(cfg: TargetConfig) -> ModelSize:
 def draft_size(cfg: DraftConfig) -> ModelSize:
     one = build_on_meta(lambda: DraftModel(replace(cfg, num_hidden_layers=1)))
     return _split({k: tuple(v.shape) for k, v in one.state_dict().items()}, cfg.num_hidden_layers)
+
+
+def eagle3_size(cfg: Eagle3Config, own_embedding: bool) -> ModelSize:
+    """Float tensors of an EAGLE-3 draft (one layer, `midlayer.*`; the d2t / t2d maps apart)."""
+    one = build_on_meta(lambda: Eagle3Draft(cfg, own_embedding))
+    return ModelSize({k: tuple(v.shape) for k, v in one.state_dict().items() if k not in ("d2t", "t2d")}, {}, 0)
 
 
 def _field_message(name: str, expected: tuple[int, ...], found: tuple[int, ...]) -> str:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from blockspec.config import TargetConfig
-from blockspec.models.attention import ALL_KEYS, KeyMask, dense_limit_mask, limit_mask
+from blockspec.models.attention import ALL_KEYS, KeyMask, append_mask, dense_limit_mask
 from blockspec.models.kv_cache import KVCache, sliding_window_mask
 from blockspec.models.layers import Attention, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
@@ -88,17 +88,10 @@ class TargetModel(nn.Module):
 
     def _append_masks(self, lengths: torch.Tensor, width: int, upto: int, q_pos: torch.Tensor,
                       fresh: bool) -> list[KeyMask]:
-        """Each layer's keys for `width` tokens appended causally after rows of `lengths` [R]:
-        query t of row r sees slots <= lengths[r] + t of [0, upto). fresh: every row was
-        empty, so the block attends to itself (SDPA is_causal, no mask; padding queries of
-        right-padded rows are never read). q_pos [R, width]: the queries' positions (below
-        upto), read only for sliding-window layers, which keep a dense band mask."""
-        if fresh:
-            main = KeyMask(self_causal=True)
-        elif lengths.shape[0] == 1 and width == 1:
-            main = ALL_KEYS                    # one row's next token sees its whole cache
-        else:
-            main = limit_mask(lengths + 1, width, upto, causal=True)
+        """Each layer's keys for `width` tokens appended causally after rows of `lengths` [R]
+        (`attention.append_mask`). q_pos [R, width]: the queries' positions (below upto),
+        read only for sliding-window layers, which keep a dense band mask."""
+        main = append_mask(lengths, width, upto, fresh)
         window = self.config.attention_window
         if window is None or upto <= window:   # no key can fall out of the window
             return [main] * len(self.layers)

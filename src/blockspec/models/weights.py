@@ -244,24 +244,22 @@ _ANY_DTYPES = {**FLOAT_DTYPES, "I64": torch.int64, "I32": torch.int32, "I16": to
                "U8": torch.uint8, "BOOL": torch.bool}
 
 
+def read_tensor(header: TensorHeader, what: str) -> torch.Tensor:
+    """One tensor as a CPU tensor of the file's dtype (small tensors: integer maps, resume
+    states), read whole; its header was checked by `read_header`."""
+    dtype = _ANY_DTYPES.get(header.dtype)
+    if dtype is None:
+        raise BlockspecError(f"{what}: tensor '{header.name}' has dtype {header.dtype}, which blockspec does not read")
+    buf = torch.empty(header.nbytes, dtype=torch.uint8)
+    with open(header.file, "rb") as fh:
+        fh.seek(header.offset)
+        if fh.readinto(memoryview(buf.numpy())) != header.nbytes:
+            raise BlockspecError(f"{what}: {header.file} ends inside tensor '{header.name}'")
+    return buf.view(dtype).view(header.shape)
+
+
 def read_tensors(directory: Path, what: str) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint as CPU tensors of the file's dtypes (training resume
     states: small files, integer tensors allowed), with shard paths and headers checked
     as for a model."""
-    out: dict[str, torch.Tensor] = {}
-    handles: dict[Path, object] = {}
-    try:
-        for name, h in read_headers(Path(directory), what).items():
-            dtype = _ANY_DTYPES.get(h.dtype)
-            if dtype is None:
-                raise BlockspecError(f"{what}: tensor '{name}' has dtype {h.dtype}, which blockspec does not read")
-            buf = torch.empty(h.nbytes, dtype=torch.uint8)
-            fh = handles.get(h.file) or handles.setdefault(h.file, open(h.file, "rb"))
-            fh.seek(h.offset)  # type: ignore[attr-defined]
-            if fh.readinto(memoryview(buf.numpy())) != h.nbytes:  # type: ignore[attr-defined]
-                raise BlockspecError(f"{what}: {h.file} ends inside tensor '{name}'")
-            out[name] = buf.view(dtype).view(h.shape)
-    finally:
-        for fh in handles.values():
-            fh.close()  # type: ignore[attr-defined]
-    return out
+    return {name: read_tensor(h, what) for name, h in read_headers(Path(directory), what).items()}
