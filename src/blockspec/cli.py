@@ -315,7 +315,7 @@ def _add_regenerate(sub: Any) -> None:
 
 
 def _add_train(sub: Any) -> None:
-    p = sub.add_parser("train", help="train a DFlash or DSpark drafter (also under torchrun)")
+    p = sub.add_parser("train", help="train a DFlash, DSpark or EAGLE-3 drafter (also under torchrun)")
     p.add_argument("--config", default=None, help="JSON file of TrainConfig fields")
     add_dataclass_flags(p, TrainConfig)
     p.set_defaults(func=cmd_train)

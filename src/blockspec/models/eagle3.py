@@ -209,7 +209,8 @@ def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     first = torch.einsum("bhgtd,bhsd->bhgts", q5, keys[0]) * scale
     first = first.masked_fill(~mask.unsqueeze(2), float("-inf"))
     diag = [(q5 * k.unsqueeze(2)).sum(-1, keepdim=True) * scale for k in keys[1:]]
-    probs = torch.softmax(torch.cat([first, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+    scores = torch.cat([first, *diag], dim=-1)
+    probs = torch.softmax(scores, -1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
     out = torch.einsum("bhgts,bhsd->bhgtd", probs[..., :t], values[0])
     for i, v in enumerate(values[1:]):
         out = out + probs[..., t + i:t + i + 1] * v.unsqueeze(2)

@@ -8,15 +8,18 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.config import DRAFT_METHODS, DraftConfig
+from blockspec.config import DRAFT_METHODS, DraftConfig, Eagle3Config, default_aux_layer_ids
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
 
+TRAIN_METHODS = (*DRAFT_METHODS, "eagle3")
+
+
 @dataclass
 class TrainConfig:
-    method: str = "dflash"              # dflash (z-lab layout) | dspark (DeepSpec layout)
+    method: str = "dflash"              # dflash (z-lab layout) | dspark (DeepSpec layout) | eagle3 (LlamaForCausalLMEagle3)
     target: str = ""                    # HF target directory
     data: str = ""                      # jsonl: prompt_ids/response_ids rows or conversations
     out: str = "runs/draft"
@@ -27,6 +30,8 @@ class TrainConfig:
     num_heads: int = 0                  # 0 = the target's
     num_kv_heads: int = 0
     target_layer_ids: str = ""          # "1,5" ; empty = design default for num_layers
+    ttt_steps: int = 7                  # eagle3: unrolled training-time-test steps (and drafts per evaluated round)
+    draft_vocab_size: int = 32000       # eagle3: draft vocabulary (most frequent trained tokens; capped at the target's)
     markov_rank: int = 64
     markov_head_type: str = "vanilla"
     confidence: bool = True
@@ -64,8 +69,8 @@ class TrainConfig:
     halt_at_step: int = 0               # > 0: stop after this step without saving, as a killed run would
 
     def validate(self) -> None:
-        if self.method not in DRAFT_METHODS:
-            raise BlockspecError(f"train: method must be dflash or dspark, got {self.method!r}")
+        if self.method not in TRAIN_METHODS:
+            raise BlockspecError(f"train: method must be one of {', '.join(TRAIN_METHODS)}, got {self.method!r}")
         if not self.target or not self.data:
             raise BlockspecError("train: --target and --data are required")
         for name in ("block_size", "num_layers", "num_anchors", "batch_size", "grad_accum", "max_len", "eval_every",
@@ -74,6 +79,13 @@ class TrainConfig:
                 raise BlockspecError(f"train: {name} must be > 0")
         if self.method == "dflash" and self.block_size < 2:
             raise BlockspecError("train: a z-lab DFlash block needs block_size >= 2 (it includes the anchor)")
+        if self.method == "eagle3":
+            if self.num_layers != 1:
+                raise BlockspecError("train: an EAGLE-3 draft has one decoder layer (--num-layers 1)")
+            if self.init_from_target:
+                raise BlockspecError("train: --init-from-target is for DFlash / DSpark drafts, not EAGLE-3")
+            if self.ttt_steps <= 0 or self.draft_vocab_size <= 0:
+                raise BlockspecError("train: ttt_steps and draft_vocab_size must be > 0")
         if not 0 < self.lr < 1:
             raise BlockspecError("train: lr must be in (0, 1)")
         for name in ("time_budget_s", "ce_chunk", "halt_at_step"):
@@ -109,6 +121,20 @@ def draft_config_for(cfg: TrainConfig, target: TargetModel, mask_token_id: int) 
         rms_norm_eps=tc.rms_norm_eps, rope=tc.rope,
         markov_rank=cfg.markov_rank if dspark else 0, markov_head_type=cfg.markov_head_type,
         enable_confidence_head=dspark and cfg.confidence)
+
+
+def eagle3_config_for(cfg: TrainConfig, target: TargetModel) -> Eagle3Config:
+    """The EAGLE-3 draft's shape: the target's attention shape and RoPE, one layer."""
+    tc = target.config
+    ids = ([int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids
+           else default_aux_layer_ids(tc.num_hidden_layers))
+    return Eagle3Config(
+        hidden_size=tc.hidden_size, intermediate_size=cfg.intermediate_size or tc.intermediate_size,
+        num_attention_heads=cfg.num_heads or tc.num_attention_heads,
+        num_key_value_heads=cfg.num_kv_heads or tc.num_key_value_heads, head_dim=tc.head_dim,
+        vocab_size=tc.vocab_size, draft_vocab_size=min(cfg.draft_vocab_size, tc.vocab_size),
+        target_hidden_size=tc.hidden_size, target_layer_ids=ids, max_position_embeddings=tc.max_position_embeddings,
+        rms_norm_eps=tc.rms_norm_eps, rope=tc.rope)
 
 
 @torch.no_grad()

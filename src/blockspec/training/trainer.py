@@ -6,7 +6,9 @@ features (and, for DSpark, its final states at the trained positions), samples f
 random anchors per example, and trains all blocks of every sequence in one packed draft
 forward (mask in anchors.py; loss in losses.py, chunked over the vocabulary). Checkpoints
 are atomic and resume exactly (checkpointing.py). Drafts are written directly in the z-lab
-(DFlash) or DeepSpec (DSpark) format.
+(DFlash) or DeepSpec (DSpark) format. EAGLE-3 (`--method eagle3`, training/eagle3.py) runs the
+same loop over its own inputs, objective and evaluation, and is written in the
+LlamaForCausalLMEagle3 format.
 """
 
 from __future__ import annotations
@@ -26,33 +28,43 @@ from blockspec.decoding.acceptance import AcceptanceStats
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
 from blockspec.interop import mask_token_of
-from blockspec.models.checkpoint import load_draft, load_target, save_draft
+from blockspec.models.checkpoint import load_draft, load_eagle3, load_target, save_draft, save_eagle3
 from blockspec.models.draft import DraftModel
+from blockspec.models.eagle3 import Eagle3Draft
 from blockspec.models.target import TargetModel
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.training import checkpointing as ckpt
 from blockspec.training import distributed as D
 from blockspec.training.conversations import end_of_turn_ids
 from blockspec.training.data import EpochBatches, Example, collate, collate_packed, load_examples, resolve_mask_token_id
+from blockspec.training.eagle3 import Eagle3Objective, greedy_acceptance, prepare_eagle3, select_vocabulary
 from blockspec.training.logging import TrainLogger
 from blockspec.training.losses import SUMS
 from blockspec.training.objective import DraftObjective, anchor_generators, prepare, uses_target_probs
 from blockspec.training.train_config import (BUDGET_CALIBRATION_STEPS, Schedule, TrainConfig, draft_config_for,
-                                             fit_to_budget, lr_at, scheduler_state, warm_start)
+                                             eagle3_config_for, fit_to_budget, lr_at, scheduler_state, warm_start)
 
 __all__ = ["BUDGET_CALIBRATION_STEPS", "TrainConfig", "draft_config_for", "fit_to_budget", "train", "warm_start"]
 
 
+AnyDraft = DraftModel | Eagle3Draft
+
+
 @torch.no_grad()
-def evaluate_acceptance(draft: DraftModel, target: TargetModel, examples: list[Example], new_tokens: int) -> dict:
-    """Greedy speculative decoding on held-out prompts: tau and per-slot acceptance."""
+def evaluate_acceptance(draft: AnyDraft, target: TargetModel, examples: list[Example], new_tokens: int,
+                        chain: int = 0) -> dict:
+    """Greedy speculative decoding on held-out prompts: tau and per-slot acceptance (EAGLE-3:
+    chained drafts of `chain` tokens, `greedy_acceptance`)."""
     draft.eval()
-    stats = AcceptanceStats()
     prompts = [e.ids[:e.response_start] for e in examples]
-    out = generate(target, prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), draft=draft,
-                   adapt=False)   # the draft's own acceptance over its full window
-    for c in out.completions:
-        stats.add_rounds(c.stats.accepted, c.stats.verified)
+    if isinstance(draft, Eagle3Draft):
+        stats = greedy_acceptance(draft, target, prompts, new_tokens, chain)
+    else:
+        stats = AcceptanceStats()
+        out = generate(target, prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), draft=draft,
+                       adapt=False)   # the draft's own acceptance over its full window
+        for c in out.completions:
+            stats.add_rounds(c.stats.accepted, c.stats.verified)
     draft.train()
     return {"tau": round(stats.tau, 4),
             "per_slot": [None if math.isnan(x) else round(x, 3) for x in stats.per_slot_acceptance()]}
@@ -66,8 +78,8 @@ class Run:
     cfg: TrainConfig
     d: D.Dist
     target: TargetModel
-    draft: DraftModel
-    objective: DraftObjective          # the unwrapped module (state dicts, evaluation)
+    draft: AnyDraft
+    objective: DraftObjective | Eagle3Objective   # the unwrapped module (state dicts, evaluation)
     model: torch.nn.Module             # what the step calls: objective, DDP(objective) or FSDP2-sharded
     opt: torch.optim.Optimizer
     schedule: Schedule
@@ -102,6 +114,23 @@ def build_draft(cfg: TrainConfig, target: TargetModel, mask_token_id: int, devic
     return draft.to(device).train()
 
 
+def build_eagle3(cfg: TrainConfig, target: TargetModel, examples: list[Example], device: torch.device
+                 ) -> Eagle3Draft:
+    """A fresh EAGLE-3 draft whose vocabulary is the training data's most frequent trained tokens
+    (or the one `--init-from` draft has)."""
+    if cfg.init_from:
+        draft = load_eagle3(cfg.init_from, dtype="float32", target=target).requires_grad_(True)
+        if draft.embed_tokens is not None:   # a shipped copy of the target's embedding stays frozen
+            draft.embed_tokens.requires_grad_(False)
+    else:
+        dc = eagle3_config_for(cfg, target)
+        dc.check_target(target.config)
+        torch.manual_seed(cfg.seed)   # the same initial weights on every rank and every run
+        draft = Eagle3Draft(dc)
+        draft.set_vocabulary(select_vocabulary(examples, dc.vocab_size, dc.draft_vocab_size))
+    return draft.to(device).train()
+
+
 def load_data(cfg: TrainConfig, tokenizer: Tokenizer, target: TargetModel, report: bool
               ) -> tuple[list[Example], list[Example]]:
     """(training examples, held-out evaluation examples); `report`: say which rows were skipped."""
@@ -128,19 +157,26 @@ def setup(cfg: TrainConfig) -> Run:
         torch.backends.cudnn.allow_tf32 = True
     target = load_target(cfg.target, dtype=cfg.target_dtype(d.device), device=d.device).requires_grad_(False)
     tokenizer = Tokenizer(cfg.target)
-    mask_id = resolve_mask_token_id(cfg.mask_token_id, tokenizer, target.config.vocab_size)
-    draft = build_draft(cfg, target, mask_id, d.device)
-    objective = DraftObjective(draft, target, cfg.ce_chunk, cfg.grad_checkpoint)
+    examples, held_out = load_data(cfg, tokenizer, target, report=d.main)
+    objective: DraftObjective | Eagle3Objective
+    if cfg.method == "eagle3":
+        mask_id = None
+        draft: AnyDraft = build_eagle3(cfg, target, examples, d.device)
+        objective = Eagle3Objective(draft, target, cfg.ce_chunk)
+    else:
+        mask_id = resolve_mask_token_id(cfg.mask_token_id, tokenizer, target.config.vocab_size)
+        draft = build_draft(cfg, target, mask_id, d.device)
+        objective = DraftObjective(draft, target, cfg.ce_chunk, cfg.grad_checkpoint)
     model = D.wrap(objective, d, cfg.fsdp)
     params = [p for p in objective.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    examples, held_out = load_data(cfg, tokenizer, target, report=d.main)
     batches = EpochBatches([len(e.ids) for e in examples], cfg.batch_size * cfg.grad_accum * d.world, cfg.seed)
     total = cfg.max_steps or max(1, int(cfg.epochs * batches.steps_per_epoch))
     schedule = Schedule(cfg, total)
     run = Run(cfg, d, target, draft, objective, model, opt, schedule,
               torch.optim.lr_scheduler.LambdaLR(opt, schedule), examples, held_out, batches,
-              tokenizer.pad_token_id or 0, mask_token_of(Path(cfg.target), mask_id), total, history=[])
+              tokenizer.pad_token_id or 0, None if mask_id is None else mask_token_of(Path(cfg.target), mask_id),
+              total, history=[])
     _start_or_resume(run)
     return run
 
@@ -199,9 +235,13 @@ def train_step(run: Run) -> dict:
         batch = [run.examples[i] for i in (idx or [0])]
         rows = collate_packed(batch, run.pad, cfg.max_len).to(d.device) if cfg.pack else None
         ids, loss_mask = (rows.ids, rows.loss_mask) if rows is not None else collate(batch, run.pad)
-        inputs.append(prepare(run.target, run.draft, ids.to(d.device), loss_mask.to(d.device),
-                              anchor_generators(cfg.seed, epoch, idx or [0]), cfg.num_anchors,
-                              cfg.decay(run.draft.config.num_drafts), zero_weight=zero, packed_rows=rows))
+        ids, loss_mask = ids.to(d.device), loss_mask.to(d.device)
+        if isinstance(run.draft, Eagle3Draft):
+            inputs.append(prepare_eagle3(run.target, run.draft, ids, loss_mask, cfg.ttt_steps, zero, rows))
+            continue
+        inputs.append(prepare(run.target, run.draft, ids, loss_mask, anchor_generators(cfg.seed, epoch, idx or [0]),
+                              cfg.num_anchors, cfg.decay(run.draft.config.num_drafts), zero_weight=zero,
+                              packed_rows=rows))
     # Normalise by the weight of the whole global batch: the same update on 1 or N processes.
     weight = D.all_reduce_sum(torch.stack([x.weights.sum() for x in inputs]).sum().double().reshape(1), d)
     scale = d.world / weight.clamp(min=1e-8).float()          # DDP / FSDP average over ranks
@@ -254,7 +294,7 @@ def _record(run: Run, sums: torch.Tensor, weight: float, grad_norm: float, token
            "tau_est": round(1 + s["accepted"] / max(s["blocks"], 1.0), 3),
            "lr": lr_at(run.step - 1, run.total, run.cfg), "grad_norm": round(grad_norm, 3),
            "tokens_per_s": round(tokens / max(dt, 1e-9), 1), "total": run.total}
-    if uses_target_probs(run.draft):
+    if isinstance(run.draft, DraftModel) and uses_target_probs(run.draft):
         rec["l1"] = round(s["l1"] / w, 4)
         if run.draft.confidence_head is not None:
             rec["bce"] = round(s["bce"] / w, 4)
@@ -263,14 +303,14 @@ def _record(run: Run, sums: torch.Tensor, weight: float, grad_norm: float, token
 
 # -- saving ----------------------------------------------------------------------------------
 
-def plain_draft(run: Run, model_sd: dict) -> DraftModel | None:
+def plain_draft(run: Run, model_sd: dict) -> AnyDraft | None:
     """Rank 0's unsharded draft for evaluation and export (under FSDP2 a copy from the
     gathered state; otherwise the draft itself)."""
     if not run.d.main:
         return None
     if not run.cfg.fsdp:
         return run.draft
-    copy = DraftModel(run.draft.config)
+    copy = type(run.draft)(run.draft.config)
     copy.load_state_dict({k.removeprefix("draft."): v for k, v in model_sd.items()})
     return copy.to(run.d.device).train()
 
@@ -303,15 +343,18 @@ def end_of_step(run: Run, rec: dict, final: bool) -> None:
     if do_eval:
         draft = plain_draft(run, model_sd)
         if draft is not None:
-            rec["eval"] = evaluate_acceptance(draft, run.target, run.held_out, cfg.eval_new_tokens)
+            rec["eval"] = evaluate_acceptance(draft, run.target, run.held_out, cfg.eval_new_tokens, cfg.ttt_steps)
             assert run.history is not None
             run.history.append([run.step, rec["eval"]["tau"]])
-            save_draft(draft, run.out / "draft", dtype="bfloat16", mask_token=run.mask_token)
+            if isinstance(draft, Eagle3Draft):
+                save_eagle3(draft, run.out / "draft", dtype="bfloat16")
+            else:
+                save_draft(draft, run.out / "draft", dtype="bfloat16", mask_token=run.mask_token)
             ckpt.write_json(run.out / "train_config.json", asdict(cfg))
     save_checkpoint(run, model_sd, optim_sd)
 
 
-def param_checksum(draft: DraftModel) -> float:
+def param_checksum(draft: AnyDraft) -> float:
     """Sum of every weight (gathered under FSDP2: a collective): equal on every rank."""
     full = (p.full_tensor() if isinstance(p, DTensor) else p for p in draft.parameters())
     return float(sum(p.detach().double().sum() for p in full))
