@@ -37,13 +37,17 @@ def tiny_target_config(model_type: str = "qwen3", vocab: int = 64, layers: int =
     return TargetConfig.from_dict(raw)
 
 
+def _larger_weights(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():  # peaked, less tie-prone distributions
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+
+
 def make_target(seed: int = 0, dtype: torch.dtype = torch.float32, **kw) -> TargetModel:
     torch.manual_seed(seed)
     model = TargetModel(tiny_target_config(**kw))
-    with torch.no_grad():
-        for p in model.parameters():  # larger weights: peaked, less tie-prone distributions
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
+    _larger_weights(model)
     return model.to(dtype).eval().requires_grad_(False)
 
 
@@ -58,10 +62,7 @@ def make_draft(target: TargetModel, layout: str = "zlab", block_size: int = 4, s
                       markov_rank=markov_rank, markov_head_type=markov_type, enable_confidence_head=confidence)
     torch.manual_seed(seed)
     draft = DraftModel(cfg)
-    with torch.no_grad():
-        for p in draft.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
+    _larger_weights(draft)
     return draft.to(dtype or target.dtype).eval().requires_grad_(False)
 
 
@@ -74,10 +75,7 @@ def make_eagle3(target: TargetModel, draft_vocab: int = 40, seed: int = 1, layer
                        target_hidden_size=tc.hidden_size, target_layer_ids=layer_ids or [0, 1, 2], rope=tc.rope, **kw)
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
-    with torch.no_grad():
-        for p in draft.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
+    _larger_weights(draft)
     draft.set_vocabulary(torch.randperm(tc.vocab_size)[:draft_vocab].sort().values)
     return draft.to(target.dtype).eval().requires_grad_(False)
 

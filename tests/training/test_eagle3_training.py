@@ -94,7 +94,8 @@ def test_ttt_loss_equals_the_direct_unrolled_reference(packed, chunk):
         ids, loss_mask = collate(examples, 0)
     x = prepare_eagle3(target, draft, ids, loss_mask, steps, packed_rows=rows)
     sums = Eagle3Objective(draft, target, ce_chunk=chunk)(x)
-    assert float(sums[0]) == pytest.approx(_reference_sums(draft, target, examples, steps), rel=1e-6)   # (logits in float32)
+    reference = _reference_sums(draft, target, examples, steps)
+    assert float(sums[0]) == pytest.approx(reference, rel=1e-6)   # (logits in float32)
     assert float(sums[5]) == sum(sum(e.mask()[2:]) for e in examples)       # positions trained at step 0
 
 
@@ -176,6 +177,8 @@ def test_eagle3_options_refused_clearly():
         TrainConfig(num_layers=2, **base).validate()
     with pytest.raises(BlockspecError, match="init-from-target"):
         TrainConfig(init_from_target=True, **base).validate()
+    with pytest.raises(BlockspecError, match="--grad-checkpoint does not apply"):
+        TrainConfig(grad_checkpoint=True, **base).validate()
     with pytest.raises(BlockspecError, match="method must be one of"):
         TrainConfig(method="medusa", target="t", data="d").validate()
 

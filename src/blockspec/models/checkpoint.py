@@ -229,18 +229,25 @@ def save_target(model: TargetModel, directory: str | Path, dtype: str | torch.dt
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 
 
+def _draft_config(directory: str | Path, device: str | torch.device | None, target: TargetModel | None,
+                  config_type: type[DraftConfig] | type[Eagle3Config], what: str
+                  ) -> tuple[Path, torch.device, DraftConfig | Eagle3Config]:
+    """(directory, device, config) of a draft directory, the config checked against `target`."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise BlockspecError(f"{what}: {directory} is not a directory")
+    cfg = config_type.load(directory)
+    if target is not None:
+        cfg.check_target(target.config)
+    return directory, resolve_device(device), cfg
+
+
 def load_draft(directory: str | Path, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = "cpu", target: TargetModel | None = None, *,
                allow_nonfinite: bool = False) -> DraftModel:
     """Load a z-lab DFlash or DeepSpec DSpark draft; check it against `target` if given.
     dtype None: the target's when a target is given, else as in the module docstring."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise BlockspecError(f"draft: {directory} is not a directory")
-    dev = resolve_device(device)
-    cfg = DraftConfig.load(directory)
-    if target is not None:
-        cfg.check_target(target.config)
+    directory, dev, cfg = _draft_config(directory, device, target, DraftConfig, "draft")
     # Some exports carry the shared tensors; they are the target's.
     headers = model_headers(directory, "draft", lambda k: k in SHARED_WITH_TARGET or _inv_freq_entry(k))
     size = draft_size(cfg)
@@ -315,14 +322,8 @@ def load_eagle3(directory: str | Path, dtype: str | torch.dtype | None = None,
     """An EAGLE-3 draft in the LlamaForCausalLMEagle3 layout; checked against `target` if given.
     An `embed_tokens` tensor in the file becomes the draft's own embedding; without one the
     draft borrows the target's (its hidden size must then be the target's)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise BlockspecError(f"EAGLE-3 draft: {directory} is not a directory")
-    dev = resolve_device(device)
-    cfg = Eagle3Config.load(directory)
-    if target is not None:
-        cfg.check_target(target.config)
     what = "EAGLE-3 draft"
+    directory, dev, cfg = _draft_config(directory, device, target, Eagle3Config, what)
     headers: dict[str, TensorHeader] = {}
     for name, header in read_headers(directory, what).items():
         key = _eagle3_name(name)

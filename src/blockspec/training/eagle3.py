@@ -15,7 +15,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 

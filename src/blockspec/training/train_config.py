@@ -19,7 +19,7 @@ TRAIN_METHODS = (*DRAFT_METHODS, "eagle3")
 
 @dataclass
 class TrainConfig:
-    method: str = "dflash"              # dflash (z-lab layout) | dspark (DeepSpec layout) | eagle3 (LlamaForCausalLMEagle3)
+    method: str = "dflash"              # dflash (z-lab layout) | dspark (DeepSpec) | eagle3 (LlamaForCausalLMEagle3)
     target: str = ""                    # HF target directory
     data: str = ""                      # jsonl: prompt_ids/response_ids rows or conversations
     out: str = "runs/draft"
@@ -31,7 +31,7 @@ class TrainConfig:
     num_kv_heads: int = 0
     target_layer_ids: str = ""          # "1,5" ; empty = design default for num_layers
     ttt_steps: int = 7                  # eagle3: unrolled training-time-test steps (and drafts per evaluated round)
-    draft_vocab_size: int = 32000       # eagle3: draft vocabulary (most frequent trained tokens; capped at the target's)
+    draft_vocab_size: int = 32000       # eagle3: draft vocabulary (most frequent trained tokens, <= the target's)
     markov_rank: int = 64
     markov_head_type: str = "vanilla"
     confidence: bool = True
@@ -86,6 +86,9 @@ class TrainConfig:
                 raise BlockspecError("train: --init-from-target is for DFlash / DSpark drafts, not EAGLE-3")
             if self.ttt_steps <= 0 or self.draft_vocab_size <= 0:
                 raise BlockspecError("train: ttt_steps and draft_vocab_size must be > 0")
+            for name, unset in (("grad_checkpoint", False), ("mask_token_id", -1)):
+                if getattr(self, name) != unset:
+                    raise BlockspecError(f"train: --{name.replace('_', '-')} does not apply to EAGLE-3 drafts")
         if not 0 < self.lr < 1:
             raise BlockspecError("train: lr must be in (0, 1)")
         for name in ("time_budget_s", "ce_chunk", "halt_at_step"):
