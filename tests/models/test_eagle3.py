@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from blockspec.config import Eagle3Config, SamplingParams
 from blockspec.decoding.sampling import RowSampler, sample
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import load_eagle3, save_eagle3
+from blockspec.models.checkpoint import load_draft, load_eagle3, save_eagle3
 from blockspec.training.eagle3 import greedy_acceptance
 from conftest import make_eagle3, make_target
 
@@ -191,6 +191,12 @@ def test_refuses_bad_files_in_one_line(tmp_path, target, changes, message):
     with pytest.raises(BlockspecError, match=message) as err:
         load_eagle3(path, target=target)
     assert "\n" not in str(err.value)
+
+
+def test_the_dflash_loader_names_an_eagle3_draft(tmp_path, target):
+    save_eagle3(make_eagle3(target), tmp_path / "d")
+    with pytest.raises(BlockspecError, match="is an EAGLE-3 draft, not a DFlash / DSpark one"):
+        load_draft(tmp_path / "d", target=target)
 
 
 def test_refuses_a_draft_for_another_target(tmp_path, target):

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from blockspec.config.common import positive_int, read_json, require
+from blockspec.config.eagle3 import EAGLE3_ARCHITECTURES
 from blockspec.config.rope import RopeConfig
 from blockspec.config.target import TargetConfig
 from blockspec.errors import BlockspecError
@@ -123,6 +124,9 @@ class DraftConfig:
                 f"{where}: 'speculators_model_type: {spec_type}' is a speculators-format layout that "
                 "blockspec cannot run; convert it to the z-lab (DFlash) or DeepSpec (DSpark) layout")
         archs = raw.get("architectures") or []
+        if any(a in EAGLE3_ARCHITECTURES for a in archs):
+            raise BlockspecError(f"{where}: {archs[0]} is an EAGLE-3 draft, not a DFlash / DSpark one "
+                                 "(EAGLE-3 drafts load with models.checkpoint.load_eagle3)")
         dflash = raw.get("dflash_config") or {}
         require(isinstance(dflash, dict), f"{where}: dflash_config must be an object")
         dspark = _draft_heads(raw, dflash, where)
