@@ -18,6 +18,7 @@ import math
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from blockspec.config import Eagle3Config
@@ -171,7 +172,7 @@ class Eagle3Draft(nn.Module):
 
     # -- training: the unrolled training-time test -----------------------------------
     def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                 mask: torch.Tensor, embed: nn.Embedding) -> list[torch.Tensor]:
+                 mask: torch.Tensor, embed: nn.Embedding, checkpoint_steps: bool = False) -> list[torch.Tensor]:
         """EAGLE-3's training-time test over whole sequences: S = tokens.shape[1] steps.
 
         features [B, T, 3*Ht]; tokens [B, S, T]: step s at position t reads x_{t+1+s};
@@ -179,22 +180,36 @@ class Eagle3Draft(nn.Module):
         mask [B, 1, T, T]: which positions a position sees at step 0 (causal, own sequence).
         Step s > 0 feeds back step s-1's output at the same position, and its queries see
         step 0's keys under `mask` plus the keys of steps 1..s at their own position only:
-        exactly the keys the s-th chained step of inference sees. Returns the S outputs
-        [B, T, H] (before the final norm)."""
-        layer, attn = self.midlayer, self.midlayer.self_attn
+        exactly the keys the s-th chained step of inference sees. `checkpoint_steps`: keep
+        only each step's inputs and recompute the step in backward (its [T, T] attention
+        probabilities are the largest activations). Returns the S outputs [B, T, H] (before
+        the final norm)."""
         hidden = self.fc(features.to(self.dtype))
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         outs = []
         for s in range(tokens.shape[1]):
-            x, residual = layer.inputs(self.embed(tokens[:, s], embed), hidden)
-            cos, sin = self.rotary(positions + s, x.dtype)
-            q, k, v = attn.project_qkv(x, cos, sin)
+            # (the earlier steps' K/V as tuples: a recomputation must see the lists as they were)
+            args = (self.embed(tokens[:, s], embed), hidden, positions + s, mask, tuple(keys), tuple(values))
+            if checkpoint_steps and torch.is_grad_enabled():
+                hidden, k, v = torch.utils.checkpoint.checkpoint(self._unrolled_step, *args, use_reentrant=False)
+            else:
+                hidden, k, v = self._unrolled_step(*args)
             keys.append(k)
             values.append(v)
-            hidden = layer.finish(attn.output(unrolled_attention(q, keys, values, mask)), residual)
             outs.append(hidden)
         return outs
+
+    def _unrolled_step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                       keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step of `unrolled` over the earlier steps' K/V: (output, this step's K, V)."""
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        x, residual = layer.inputs(embeds, hidden)
+        cos, sin = self.rotary(positions, x.dtype)
+        q, k, v = attn.project_qkv(x, cos, sin)
+        out = layer.finish(attn.output(unrolled_attention(q, [*keys, k], [*values, v], mask)), residual)
+        return out, k, v
 
 
 def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

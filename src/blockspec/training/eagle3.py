@@ -119,15 +119,17 @@ class Eagle3Objective(nn.Module):
     """draft -> [total, ce, l1, bce, accepted, positions] sums (losses.SUMS) of a batch; the
     frozen target is held outside the module tree (DDP / FSDP leave it alone)."""
 
-    def __init__(self, draft: Eagle3Draft, target: TargetModel, ce_chunk: int = 0) -> None:
+    def __init__(self, draft: Eagle3Draft, target: TargetModel, ce_chunk: int = 0,
+                 grad_checkpoint: bool = False) -> None:
         super().__init__()
         self.draft = draft
         self._frozen = (target,)
-        self.ce_chunk = ce_chunk
+        self.ce_chunk, self.grad_checkpoint = ce_chunk, grad_checkpoint
 
     def forward(self, x: Eagle3Inputs) -> torch.Tensor:
         target = self._frozen[0]
-        outs = self.draft.unrolled(x.features, x.tokens, x.positions, x.mask, target.embed_tokens)
+        outs = self.draft.unrolled(x.features, x.tokens, x.positions, x.mask, target.embed_tokens,
+                                   checkpoint_steps=self.grad_checkpoint)
         h = torch.stack(outs, dim=2).flatten(0, 1)[x.sel]                      # [M, S, H]
         m, s = x.weights.shape
         per = max(1, self.ce_chunk // s) if self.ce_chunk > 0 else m

@@ -86,9 +86,8 @@ class TrainConfig:
                 raise BlockspecError("train: --init-from-target is for DFlash / DSpark drafts, not EAGLE-3")
             if self.ttt_steps <= 0 or self.draft_vocab_size <= 0:
                 raise BlockspecError("train: ttt_steps and draft_vocab_size must be > 0")
-            for name, unset in (("grad_checkpoint", False), ("mask_token_id", -1)):
-                if getattr(self, name) != unset:
-                    raise BlockspecError(f"train: --{name.replace('_', '-')} does not apply to EAGLE-3 drafts")
+            if self.mask_token_id != -1:
+                raise BlockspecError("train: --mask-token-id does not apply to EAGLE-3 drafts")
         if not 0 < self.lr < 1:
             raise BlockspecError("train: lr must be in (0, 1)")
         for name in ("time_budget_s", "ce_chunk", "halt_at_step"):

@@ -162,7 +162,7 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.method == "eagle3":
         mask_id = None
         draft: AnyDraft = build_eagle3(cfg, target, examples, d.device)
-        objective = Eagle3Objective(draft, target, cfg.ce_chunk)
+        objective = Eagle3Objective(draft, target, cfg.ce_chunk, cfg.grad_checkpoint)
     else:
         mask_id = resolve_mask_token_id(cfg.mask_token_id, tokenizer, target.config.vocab_size)
         draft = build_draft(cfg, target, mask_id, d.device)
