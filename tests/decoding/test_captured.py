@@ -59,8 +59,8 @@ def test_static_steps_equal_the_eager_forwards(rows):
     sampler = RowSampler.from_params([SamplingParams()] * rows)
     capture = tuple(draft.config.target_layer_ids)
     with torch.inference_mode():
-        anchors = prefill(target, cache, prompts, sampler, draft, dcache)
-        assert torch.equal(anchors, prefill(target, ref, prompts, sampler, draft, dref))
+        anchors = prefill(target, cache, prompts, sampler, draft, dcache).anchors
+        assert torch.equal(anchors, prefill(target, ref, prompts, sampler, draft, dref).anchors)
         block = torch.full((rows, 4), draft.config.mask_token_id)
         block[:, 0] = anchors
         torch.testing.assert_close(steps.block_hidden(draft, block, dcache, target.embed_tokens),
@@ -151,7 +151,7 @@ def run_rounds(target, draft, prompts, policy_factory, captured: CapturedSteps |
     policy = policy_factory(g)
     out: list[list[int]] = [[] for _ in prompts]
     with torch.inference_mode():
-        anchors = prefill(target, cache, prompts, sampler, draft, dcache)
+        anchors = prefill(target, cache, prompts, sampler, draft, dcache).anchors
         context = None
         if draft is not None:
             context = captured.context() if captured is not None else DirectContext(draft, dcache)
@@ -248,7 +248,7 @@ def test_a_greedy_captured_round_reads_the_host_once(monkeypatch, method):
     cache, dcache = steps.new_caches(3, 64, 64 + width)
     sampler = RowSampler.from_params([SamplingParams()] * 3)
     with torch.inference_mode():
-        anchors = prefill(target, cache, prompts, sampler, draft, dcache)
+        anchors = prefill(target, cache, prompts, sampler, draft, dcache).anchors
         batch = RoundInputs(target, draft, cache, dcache, steps.context() if draft is not None else None, anchors,
                             sampler, captured=steps)
         batch.bands = [0, 0, 0]   # as generate and the engine pass them

@@ -72,6 +72,12 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, max
     return prompt
 
 
+def request_sampler(reqs: list[Any], target: TargetModel) -> RowSampler:
+    """The rows' sampler: their parameters, own generators and (for penalties) token histories."""
+    return RowSampler.from_params([r.params for r in reqs], target.device, [r.generator for r in reqs],
+                                  [(r.prompt, r.output.tokens) for r in reqs], target.config.vocab_size)
+
+
 class Engine:
     """Continuous-batching speculative decoding over a fixed KV slot pool.
 
@@ -270,7 +276,7 @@ class Engine:
             self._finish(req, "cancelled")
         for req in self._running:
             if req.id in ids and not req.output.finished:
-                req.output.finish("cancelled")
+                self._finish(req, "cancelled")   # now: its held-back tokens go out with the end
         self._retire()
 
     def _admit(self) -> None:
@@ -290,14 +296,17 @@ class Engine:
         self.slots.reset(first, last)
         view, draft_view = self.slots.views(first, last)
         sampler = self._sampler(new)
-        anchors = prefill(self.target, view, [r.prompt for r in new], sampler, self.draft, draft_view)
-        for req, tok in zip(new, anchors.tolist()):
+        tops = [-1 if r.params.prompt_logprobs is None else r.params.prompt_logprobs for r in new]
+        done = prefill(self.target, view, [r.prompt for r in new], sampler, self.draft, draft_view, tops)
+        for i, (req, tok) in enumerate(zip(new, done.anchors.tolist())):
             req.anchor = tok
-            self._emit(req, [tok])
+            if done.prompt_logprobs is not None:
+                req.output.prompt_logprobs = done.prompt_logprobs[i]
+            self._emit(req, [tok], done.logprobs[i] if done.logprobs is not None else None)
         self.stats.prefill(sum(len(r.prompt) for r in new), time.perf_counter() - t0)
 
     def _sampler(self, reqs: list[Request]) -> RowSampler:
-        return RowSampler.from_params([r.params for r in reqs], self.target.device, [r.generator for r in reqs])
+        return request_sampler(reqs, self.target)
 
     def _round(self) -> None:
         """One round for every running request, then their tokens streamed."""
@@ -316,31 +325,35 @@ class Engine:
         for i, req in enumerate(reqs):
             req.output.record_round(outcome.verified[i], outcome.accepted[i])
             req.anchor = outcome.bonus[i]
-            self._emit(req, outcome.new_tokens(i))
+            self._emit(req, outcome.new_tokens(i), outcome.logprobs[i] if outcome.logprobs is not None else None)
         self.stats.round(outcome)
         # The round's real cost, bookkeeping included.
         self.policy.observe_time(len(reqs), outcome, time.perf_counter() - t_start)
 
-    def _emit(self, req: Request, new: list[int]) -> None:
+    def _emit(self, req: Request, new: list[int], logprobs: list | None = None) -> None:
         """Apply stop tokens, length and stop strings, then stream the delta."""
-        delta = req.output.push(new)
+        delta = req.output.push(new, logprobs)
         now = time.monotonic()
         # Statistics before publishing: a client that saw its end finds it in /metrics.
         self.stats.tokens(req.handle.times, len(delta.tokens), now)
         if not delta.finished:
-            if delta.tokens or delta.text:
-                req.handle.publish(RequestOutput(req.id, delta.tokens, delta.text, False, None))
+            if delta.tokens or delta.text or delta.prompt_logprobs:
+                req.handle.publish(RequestOutput(req.id, delta.tokens, delta.text, False, None, delta.logprobs,
+                                                 delta.prompt_logprobs))
             return
         self.stats.request_finished(req.handle.times, req.output.finish_reason, now)
-        req.handle.publish(RequestOutput(req.id, delta.tokens, delta.text, True, req.output.finish_reason),
-                           req.output.completion())
+        req.handle.publish(RequestOutput(req.id, delta.tokens, delta.text, True, req.output.finish_reason,
+                                         delta.logprobs, delta.prompt_logprobs), req.output.completion())
         self.stats.count("finished")
 
     def _finish(self, req: Request, reason: str) -> None:
-        """End a request that did not finish by itself (cancelled / error)."""
-        req.output.finish(reason)
-        self.stats.request_finished(req.handle.times, reason, time.monotonic())
-        req.handle.publish(RequestOutput(req.id, [], None, True, reason), req.output.completion())
+        """End a request that did not finish by itself (cancelled / error), with what it held back."""
+        delta = req.output.finish(reason)
+        now = time.monotonic()
+        self.stats.tokens(req.handle.times, len(delta.tokens), now)
+        self.stats.request_finished(req.handle.times, reason, now)
+        req.handle.publish(RequestOutput(req.id, delta.tokens, delta.text, True, reason, delta.logprobs,
+                                         delta.prompt_logprobs), req.output.completion())
         self.stats.count("cancelled" if reason == "cancelled" else "failed")
         with self._lock:
             self._live.pop(req.id, None)

@@ -18,7 +18,8 @@ from blockspec.decoding.acceptance import tau
 from blockspec.decoding.captured import captured_steps
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
 from blockspec.decoding.policy import FullWindow, RoundPolicy
-from blockspec.decoding.round import RoundInputs, RoundOutcome, prefill, speculative_round
+from blockspec.decoding.penalties import LogitAdjust
+from blockspec.decoding.round import Prefilled, RoundInputs, RoundOutcome, prefill, speculative_round
 from blockspec.decoding.sampling import RowSampler
 from blockspec.decoding.slots import PendingContext
 from blockspec.errors import BlockspecError
@@ -124,8 +125,11 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     batch = _start(target, draft, [prompts[i] for i in active], [params[i] for i in active],
                    compile)
     timing = Timing(prefill_s=batch.prefill_s)
-    for r, tok in zip(active, batch.inputs.anchors.tolist()):
-        _emit(states[r], r, [tok], on_tokens)
+    first = batch.prefilled
+    for i, (r, tok) in enumerate(zip(active, batch.inputs.anchors.tolist())):
+        if first.prompt_logprobs is not None:
+            states[r].prompt_logprobs = first.prompt_logprobs[i]
+        _emit(states[r], r, [tok], on_tokens, first.logprobs[i] if first.logprobs is not None else None)
     while True:
         kept = _drop_finished(batch.inputs, active, states)
         if not kept:
@@ -143,7 +147,12 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
         timing.rounds += 1
         for i, r in enumerate(active):
             states[r].record_round(outcome.verified[i], outcome.accepted[i])
-            _emit(states[r], r, outcome.new_tokens(i), on_tokens)
+            _emit(states[r], r, outcome.new_tokens(i), on_tokens,
+                  outcome.logprobs[i] if outcome.logprobs is not None else None)
+        if batch.inputs.sampler.adjust is not None:   # the penalties count the tokens just emitted
+            batch.inputs.sampler.adjust = LogitAdjust.build(
+                [params[r] for r in active], [(prompts[r], states[r].tokens) for r in active],
+                target.config.vocab_size, target.device)
         policy.observe_time(len(active), outcome, time.perf_counter() - t_round)   # bookkeeping included
         if observer is not None:
             observer.on_round(outcome, active)
@@ -161,6 +170,7 @@ def _default_policy(target: TargetModel, draft: DraftModel | None, method: str, 
 class _Batch:
     inputs: RoundInputs
     prefill_s: float
+    prefilled: Prefilled
 
 
 def _start(target: TargetModel, draft: DraftModel | None, prompts: list[list[int]], params: list[SamplingParams],
@@ -182,22 +192,24 @@ def _start(target: TargetModel, draft: DraftModel | None, prompts: list[list[int
     else:
         cache = target.new_cache(len(prompts), capacity)
         draft_cache = draft.new_cache(len(prompts), capacity + width + PENDING_POSITIONS) if draft is not None else None
-    sampler = RowSampler.from_params(params, target.device)
+    sampler = RowSampler.from_params(params, target.device, histories=[(p, []) for p in prompts],
+                                     vocab=target.config.vocab_size)
     t0 = time.perf_counter()
-    anchors = prefill(target, cache, prompts, sampler, draft, draft_cache)
+    done = prefill(target, cache, prompts, sampler, draft, draft_cache,
+                   [-1 if p.prompt_logprobs is None else p.prompt_logprobs for p in params])
     # Rounds that do not draft buffer their target features; the draft turns them into
     # context K/V in one batch right before it next drafts (`PendingContext`).
     context = (PendingContext(draft, draft_cache, PENDING_POSITIONS)
                if draft is not None and draft_cache is not None else None)
     if captured is not None and draft is not None:
         context = captured.context()
-    return _Batch(RoundInputs(target, draft, cache, draft_cache, context, anchors, sampler, captured=captured),
-                  time.perf_counter() - t0)
+    return _Batch(RoundInputs(target, draft, cache, draft_cache, context, done.anchors, sampler, captured=captured),
+                  time.perf_counter() - t0, done)
 
 
 def _emit(state: RequestOutputState, row: int, tokens: list[int],
-          on_tokens: Callable[[int, list[int]], None] | None) -> None:
-    delta = state.push(tokens)
+          on_tokens: Callable[[int, list[int]], None] | None, logprobs: list | None = None) -> None:
+    delta = state.push(tokens, logprobs)
     if on_tokens is not None and delta.tokens:
         on_tokens(row, delta.tokens)
 

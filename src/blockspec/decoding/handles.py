@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterator
 
+from blockspec.decoding.logprobs import TokenLogprob
 from blockspec.decoding.output import Completion
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ class RequestOutput:
     text: str | None
     finished: bool
     finish_reason: str | None   # "stop" | "length" | "cancelled" | "error" once finished
+    logprobs: list[TokenLogprob] | None = None                # of token_ids, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first delta, when asked
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from blockspec.config import SamplingParams
 from blockspec.decoding.acceptance import tau
+from blockspec.decoding.logprobs import TokenLogprob
 from blockspec.errors import BlockspecError
 
 
@@ -41,6 +42,8 @@ class Completion:
     finish_reason: str          # "stop" | "length" | "cancelled" | "error"
     stats: RequestStats
     text: str | None = None
+    logprobs: list[TokenLogprob] | None = None                # one per token (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
 
 
 @dataclass
@@ -51,6 +54,8 @@ class Delta:
     tokens: list[int]
     text: str | None
     finished: bool
+    logprobs: list[TokenLogprob] | None = None                # of `tokens`, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the request's first delta
 
 
 class TextTracker:
@@ -208,9 +213,13 @@ class RequestOutputState:
         self.params = params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.finish_reason: str | None = None
         self.stats = RequestStats()
         self.text = TextTracker(tokenizer, params.stop) if tokenizer is not None else None
+        self._sent = 0                # tokens streamed so far
+        self._prompt_sent = False
 
     @property
     def finished(self) -> bool:
@@ -220,30 +229,53 @@ class RequestOutputState:
         self.stats.verified.append(verified)
         self.stats.accepted.append(accepted)
 
-    def push(self, new: list[int]) -> Delta:
-        """Append a round's tokens up to a stop token, the length limit or a stop string."""
+    def push(self, new: list[int], logprobs: list[TokenLogprob] | None = None) -> Delta:
+        """Append a round's tokens (and their log-probabilities) up to a stop token, the
+        length limit or a stop string."""
         kept = []
-        for tok in new:
+        for i, tok in enumerate(new):
             if tok in self.stop_ids:
                 self.finish_reason = "stop"
                 break
             kept.append(tok)
             self.tokens.append(tok)
+            if self.logprobs is not None and logprobs is not None:
+                self.logprobs.append(logprobs[i])
             if len(self.tokens) >= self.params.max_new_tokens:
                 self.finish_reason = "length"
                 break
         if self.text is None:
-            return Delta(kept, None, self.finished)
-        kept, text, hit = self.text.push(kept, final=self.finished)
+            return self._delta(kept, None)
+        return self._tracked(kept, final=self.finished)
+
+    def _tracked(self, kept: list[int], final: bool) -> Delta:
+        tokens, text, hit = self.text.push(kept, final=final)
         if hit:
             self.finish_reason = "stop"
             del self.tokens[len(self.text.ids):]
-        return Delta(kept, text, self.finished)
+            if self.logprobs is not None:
+                del self.logprobs[len(self.text.ids):]
+        return self._delta(tokens, text)
 
-    def finish(self, reason: str) -> None:
-        """End the request from outside (cancelled, error)."""
+    def _delta(self, tokens: list[int], text: str | None) -> Delta:
+        logprobs = None if self.logprobs is None else self.logprobs[self._sent:self._sent + len(tokens)]
+        self._sent += len(tokens)
+        prompt = None
+        if not self._prompt_sent and self.prompt_logprobs is not None:
+            prompt, self._prompt_sent = self.prompt_logprobs, True
+        return Delta(tokens, text, self.finished, logprobs, prompt)
+
+    def finish(self, reason: str) -> Delta:
+        """End the request from outside (cancelled, error): what was held back for stop-string
+        matching is released, so the stream carries exactly the completion's tokens and text."""
         self.finish_reason = reason
+        if self.text is None:
+            return self._delta([], None)
+        delta = self._tracked([], final=True)
+        self.finish_reason = reason   # a stop string found in the held-back text still ends it as `reason`
+        return Delta(delta.tokens, delta.text, True, delta.logprobs, delta.prompt_logprobs)
 
     def completion(self) -> Completion:
         return Completion(list(self.tokens), self.finish_reason or "length", self.stats,
-                          self.text.text if self.text is not None else None)
+                          self.text.text if self.text is not None else None, self.logprobs,
+                          self.prompt_logprobs)

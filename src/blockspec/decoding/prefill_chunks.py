@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from blockspec.decoding.round import first_logprobs
 from blockspec.decoding.sampling import RowSampler, sample
 from blockspec.decoding.slots import SlotPool
 from blockspec.decoding.stats import EngineStats
@@ -73,6 +74,7 @@ class ChunkedPrefill:
     def chunked(self, req: Any) -> bool:
         """Whether this request's prompt is prefilled in chunks."""
         return (len(req.prompt) > self.chunk and not self.target.rotary.rope.length_dependent
+                and req.params.prompt_logprobs is None   # scored in one forward: every position's logits
                 and self.slots.rows > 1)   # one slot: the only row is the running one
 
     def admit(self, waiting: deque, free: int) -> list[Any]:
@@ -100,8 +102,8 @@ class ChunkedPrefill:
         self.slots.reset(self.row, self.row + 1)
         self.stats.admitted(req.handle.times, time.monotonic())
 
-    def advance(self) -> tuple[Any, int] | None:
-        """Prefill the next chunk of the prompt in flight. Returns (request, first token)
+    def advance(self) -> tuple[Any, int, list | None] | None:
+        """Prefill the next chunk of the prompt in flight. Returns (request, first token, its logprobs)
         once its last chunk ran; the caller then moves it with `release`."""
         req = self.req
         if req is None:
@@ -124,25 +126,28 @@ class ChunkedPrefill:
         self.done += len(part)
         first = None
         if last:   # the request's own generator draws its first token, as a whole prefill does
-            sampler = RowSampler.from_params([req.params], dev, [req.generator])
-            first = int(sample(out.logits, sampler)[0][0, 0])
+            sampler = RowSampler.from_params([req.params], dev, [req.generator], [(req.prompt, [])],
+                                             self.target.config.vocab_size)
+            token = sample(sampler.adjusted(out.logits), sampler)[0][:, 0]
+            logprobs = first_logprobs(out.logits, token, sampler)
+            first = (int(token[0]), logprobs[0] if logprobs is not None else None)
         self.stats.prefill(len(part), time.perf_counter() - t0)
-        return None if first is None else (req, first)
+        return None if first is None else (req, *first)
 
     def step(self, lock: threading.Lock, waiting: deque, running: list[Any],
-             emit: Callable[[Any, list[int]], None]) -> Any:
+             emit: Callable[[Any, list[int], list | None], None]) -> Any:
         """`advance`; when the prompt is done, move it from `waiting` to the end of `running`
         (its row with it) under the engine's `lock`, its first token as its anchor, and
         `emit(request, [token])` that token. Returns the request that joined, or None."""
         joined = self.advance()
         if joined is None:
             return None
-        req, req.anchor = joined
+        req, req.anchor, logprobs = joined
         with lock:
             waiting.remove(req)
             self.release(len(running))
             running.append(req)
-        emit(req, [req.anchor])
+        emit(req, [req.anchor], logprobs)
         return req
 
     def release(self, row: int) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from blockspec.config import temperature_band
 from blockspec.decoding.captured import CapturedSteps
+from blockspec.decoding.logprobs import TokenLogprob, prompt_logprobs, row_logprobs
 from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify
 from blockspec.models.draft import DraftModel
 from blockspec.models.kv_cache import KVCache
@@ -58,33 +59,69 @@ def padding_groups(lengths: list[int], max_padding: float = 0.25) -> list[tuple[
     return groups
 
 
+@dataclass
+class Prefilled:
+    """What a prefill produced per row: the first anchors [R], their log-probabilities
+    (rows that asked: sampler.logprobs) and the prompts' (rows with prompt_tops[r] >= 0)."""
+
+    anchors: torch.Tensor
+    logprobs: list[list[TokenLogprob] | None] | None = None
+    prompt_logprobs: list[list[TokenLogprob | None] | None] | None = None
+
+
 def prefill(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
-            draft: DraftModel | None = None, draft_cache: KVCache | None = None) -> torch.Tensor:
+            draft: DraftModel | None = None, draft_cache: KVCache | None = None,
+            prompt_tops: list[int] | None = None) -> Prefilled:
     """Run the prompts through the target (right-padded, in groups of similar length:
     `padding_groups`), seed the draft context, and sample each row's first token (the
     first anchor; every row draws from its own generator, so grouping changes no
-    draw). Returns anchors [R]."""
+    draw). prompt_tops[r] >= 0: also the log-probabilities of row r's prompt tokens."""
     groups = padding_groups([len(p) for p in prompts])
+    tops = prompt_tops if prompt_tops is not None else [-1] * len(prompts)
     if len(groups) == 1:
-        return _prefill_rows(target, cache, prompts, sampler, draft, draft_cache)
-    return torch.cat([_prefill_rows(target, cache.slice_rows(a, b), prompts[a:b], sampler.select(list(range(a, b))),
-                                    draft, draft_cache.slice_rows(a, b) if draft_cache is not None else None)
-                      for a, b in groups])
+        return _prefill_rows(target, cache, prompts, sampler, draft, draft_cache, tops)
+    parts = [_prefill_rows(target, cache.slice_rows(a, b), prompts[a:b], sampler.select(list(range(a, b))),
+                           draft, draft_cache.slice_rows(a, b) if draft_cache is not None else None, tops[a:b])
+             for a, b in groups]
+
+    def joined(name: str) -> list | None:
+        lists = [getattr(p, name) or [None] * (b - a) for p, (a, b) in zip(parts, groups)]
+        return None if all(getattr(p, name) is None for p in parts) else [x for part in lists for x in part]
+    return Prefilled(torch.cat([p.anchors for p in parts]), joined("logprobs"), joined("prompt_logprobs"))
 
 
 def _prefill_rows(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
-                  draft: DraftModel | None, draft_cache: KVCache | None) -> torch.Tensor:
+                  draft: DraftModel | None, draft_cache: KVCache | None, prompt_tops: list[int]) -> Prefilled:
     device = target.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
     for r, p in enumerate(prompts):
         ids[r, :len(p)] = torch.tensor(p, device=device)
     capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
-    out = target(ids, cache, num_new=lengths, capture=capture, logits_at=(lengths - 1).unsqueeze(1))
+    scored = None
+    if any(n >= 0 for n in prompt_tops):   # every position's states, for the prompt's log-probabilities
+        out = target(ids, cache, num_new=lengths, capture=capture, output="hidden")
+        hidden = out.hidden
+        last = (lengths - 1).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
+        logits = target.lm_head(hidden.gather(1, last))
+        scored = [prompt_logprobs(hidden[r, :len(p)], target.lm_head, p, n) if n >= 0 else None
+                  for r, (p, n) in enumerate(zip(prompts, prompt_tops))]
+    else:
+        out = target(ids, cache, num_new=lengths, capture=capture, logits_at=(lengths - 1).unsqueeze(1))
+        logits = out.logits
     if draft is not None:
         assert draft_cache is not None and out.features is not None
         draft.append_context(draft_cache, out.features, lengths)
-    return sample(out.logits, sampler)[0][:, 0]
+    anchors = sample(sampler.adjusted(logits), sampler)[0][:, 0]
+    return Prefilled(anchors, first_logprobs(logits, anchors, sampler), scored)
+
+
+def first_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampler: RowSampler
+                   ) -> list[list[TokenLogprob] | None] | None:
+    """Log-probabilities of the first tokens [R] sampled from logits [R, 1, V] (raw)."""
+    if sampler.logprobs is None:
+        return None
+    return row_logprobs(logits, tokens.view(-1, 1), [1] * tokens.shape[0], sampler.logprobs)
 
 
 # -- propose ------------------------------------------------------------------------
@@ -209,10 +246,16 @@ def verify_and_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor
     else:
         out = target(torch.cat([anchors.unsqueeze(1), drafts], dim=1), cache, capture=capture)
         logits, features = out.logits, out.features
+    raw = logits
+    logits = sampler.adjusted(logits, drafts)   # penalties: the target's distribution itself changes
     verdict = verify(logits, drafts, probs, sampler, num_drafts, rule)
     if forced is not None:
         rows = torch.arange(r, device=logits.device)
         verdict = Verdict(forced, sample(logits[rows, forced].unsqueeze(1), sampler)[0][:, 0])
+    if sampler.logprobs is not None:
+        committed = torch.cat([drafts, drafts.new_zeros(r, 1)], dim=1)
+        committed.scatter_(1, verdict.accepted.unsqueeze(1), verdict.bonus.unsqueeze(1))
+        verdict.logprobs = row_logprobs(raw, committed, (verdict.accepted + 1).tolist(), sampler.logprobs)
     # Keep anchor + accepted drafts; the bonus gets its KV when it is the next anchor.
     if captured is not None and not packed:   # the static step left the lengths alone
         cache.lengths.copy_(start + verdict.accepted + 1)
@@ -287,6 +330,7 @@ class RoundOutcome:
     plan_s: float = 0.0
     verify_s: float = 0.0
     context_s: float = 0.0        # of draft_s: the drafting rows' buffered context appended before drafting
+    logprobs: list | None = None  # per row: its new tokens' TokenLogprobs (None: the row asked none)
 
     def new_tokens(self, row: int) -> list[int]:
         """Row's committed tokens this round: accepted drafts, then the bonus."""
@@ -350,7 +394,7 @@ def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "r
     raw = proposal.raw_confidence if proposal is not None else None
     outcome = RoundOutcome(drafted, verified, accepted, bonus, None if raw is None else raw[:k],
                            k, block if k else 0, draft_s=t_drafted - t_start, plan_s=t_planned - t_drafted,
-                           verify_s=t_verified - t_planned, context_s=context_s)
+                           verify_s=t_verified - t_planned, context_s=context_s, logprobs=verdict.logprobs)
     batch.anchors = verdict.bonus
     policy.observe(outcome, proposal, lens)
     return outcome

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.config import SamplingParams
+from blockspec.decoding.penalties import LogitAdjust
 
 
 _ARGMAX_CHUNK = 128
@@ -50,25 +51,46 @@ class RowSampler:
     # Whether every row is greedy, known on the host when built from params: reading it
     # from `temperature` is a device synchronisation, several per round otherwise.
     greedy_rows: bool | None = None
+    min_p: torch.Tensor | None = None      # [R] float; None: no row sets one
+    adjust: LogitAdjust | None = None      # penalties / logit_bias of the target's logits
+    logprobs: list[int] | None = None      # [R] alternatives per emitted token (-1: none); None: no row
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu",
-                    generators: list[torch.Generator] | None = None) -> "RowSampler":
+                    generators: list[torch.Generator] | None = None,
+                    histories: list[tuple[list[int], list[int]]] | None = None, vocab: int = 0) -> "RowSampler":
         """One row per params; `generators`: the rows' own (a running request keeps
-        its generator across rounds), else new ones seeded from `params`."""
+        its generator across rounds), else new ones seeded from `params`. histories[r]
+        (prompt, output so far) and the vocabulary size: for the rows' penalties, which
+        a penalised row must have."""
         gens = generators if generators is not None else [new_generator(p) for p in params]
+        if any(p.penalized for p in params) and histories is None:
+            raise ValueError("penalties and logit_bias need each row's (prompt, output) history")
         return cls(
             temperature=torch.tensor([float(p.temperature) for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([float(p.top_p) for p in params], device=device),
             generators=gens,
             greedy_rows=all(p.temperature == 0 for p in params),
+            min_p=(torch.tensor([float(p.min_p) for p in params], device=device)
+                   if any(p.min_p for p in params) else None),
+            adjust=LogitAdjust.build(params, histories, vocab, device) if histories is not None else None,
+            logprobs=([-1 if p.logprobs is None else p.logprobs for p in params]
+                      if any(p.logprobs is not None for p in params) else None),
         )
 
     def select(self, rows: list[int]) -> "RowSampler":
         idx = torch.tensor(rows, dtype=torch.long, device=self.temperature.device)
         return RowSampler(self.temperature[idx], self.top_k[idx], self.top_p[idx],
-                          [self.generators[r] for r in rows], True if self.greedy_rows else None)
+                          [self.generators[r] for r in rows], True if self.greedy_rows else None,
+                          None if self.min_p is None else self.min_p[idx],
+                          None if self.adjust is None else self.adjust.select(rows),
+                          None if self.logprobs is None else [self.logprobs[r] for r in rows])
+
+    def adjusted(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's logits [R, W, V] after the rows' penalties and logit_bias
+        (position j following drafts[:, :j]); unchanged when no row has any."""
+        return logits if self.adjust is None else self.adjust.apply(logits, drafts)
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -114,6 +136,10 @@ def warp(logits: torch.Tensor, sampler: RowSampler) -> torch.Tensor:
     t = sampler.temperature.view(r, 1, 1)
     greedy = (t == 0)
     x = x / torch.where(greedy, torch.ones_like(t), t)
+    if sampler.min_p is not None:   # after temperature, before top-k / top-p (vLLM's order)
+        probs = torch.softmax(x, dim=-1)
+        floor = sampler.min_p.view(r, 1, 1) * probs.amax(-1, keepdim=True)
+        x = x.masked_fill(probs < floor, float("-inf"))
     k = sampler.top_k.view(r, 1, 1)
     if bool((k > 0).any()):
         kth = torch.topk(x, min(int(k.max()), v), dim=-1).values
@@ -158,6 +184,7 @@ def sample(logits: torch.Tensor, sampler: RowSampler) -> tuple[torch.Tensor, tor
 class Verdict:
     accepted: torch.Tensor  # [R] number of drafts accepted
     bonus: torch.Tensor     # [R] the token sampled after the accepted prefix
+    logprobs: list | None = None   # [R] the committed tokens' TokenLogprobs (None for rows that asked none)
 
 
 def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
