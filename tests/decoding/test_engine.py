@@ -515,6 +515,27 @@ def test_stop_strings_cut_text_and_tokens(target64, requests):
     assert plain.result().text == text and plain.result().finish_reason == "length"
 
 
+def test_cancelled_stream_delivers_the_held_back_tokens(target64, requests):
+    """A stop string that never matches holds back its length's worth of text; cancelling
+    releases it with the final delta: the stream is exactly the completion (issue 30)."""
+    tok = CharTokenizer()
+    engine = build(target64, "dflash", tokenizer=tok)
+    deltas = []
+    handle = engine.submit(requests[0][0], SamplingParams(max_new_tokens=40, ignore_eos=True, stop=["zqzqzqzq"],
+                                                          logprobs=0), on_output=deltas.append)
+    for _ in range(3):
+        engine.step()
+    assert handle.request_id in engine._live and not handle.done
+    engine.cancel(handle.request_id)
+    engine.run_until_done()
+    result = handle.result()
+    assert result.finish_reason == "cancelled" and deltas[-1].finished and result.tokens
+    assert sum((d.token_ids for d in deltas), []) == result.tokens
+    assert "".join(d.text or "" for d in deltas) == result.text == tok.decode(result.tokens)
+    assert [lp for d in deltas for lp in d.logprobs or []] == result.logprobs
+    assert deltas[-1].token_ids   # the held-back tail came with the end
+
+
 # -- background thread ------------------------------------------------------------------
 
 def test_background_thread_streams_cancels_and_drains(target64, requests):

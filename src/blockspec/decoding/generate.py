@@ -140,6 +140,10 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
         forced = None
         if forced_acceptance is not None:
             forced = torch.full((len(active),), next(forced_acceptance), device=target.device)
+        if batch.inputs.sampler.adjust is not None:   # the penalties count every token emitted so far
+            batch.inputs.sampler.adjust = LogitAdjust.build(
+                [params[r] for r in active], [(prompts[r], states[r].tokens) for r in active],
+                target.config.vocab_size, target.device)
         t_round = time.perf_counter()
         outcome = speculative_round(batch.inputs, policy, rule=rule, forced=forced)
         timing.draft_s += outcome.draft_s
@@ -149,10 +153,6 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
             states[r].record_round(outcome.verified[i], outcome.accepted[i])
             _emit(states[r], r, outcome.new_tokens(i), on_tokens,
                   outcome.logprobs[i] if outcome.logprobs is not None else None)
-        if batch.inputs.sampler.adjust is not None:   # the penalties count the tokens just emitted
-            batch.inputs.sampler.adjust = LogitAdjust.build(
-                [params[r] for r in active], [(prompts[r], states[r].tokens) for r in active],
-                target.config.vocab_size, target.device)
         policy.observe_time(len(active), outcome, time.perf_counter() - t_round)   # bookkeeping included
         if observer is not None:
             observer.on_round(outcome, active)
