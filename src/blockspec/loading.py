@@ -17,7 +17,7 @@ that does not set ignore_eos), and `LoadedModels.generation_defaults` (a
 `models.generation_defaults.sampling_params(temperature=None, top_p=0.9, ...)` gives a
 request's SamplingParams, its own non-None values overriding the checkpoint's, the
 checkpoint's overriding SamplingParams' built-in defaults. Settings blockspec does not
-implement (repetition_penalty, min_p, ...) are listed in `.unsupported` and logged
+implement (typical_p, epsilon_cutoff, ...) are listed in `.unsupported` and logged
 once at load.
 """
 

@@ -11,7 +11,8 @@ from blockspec.config.common import read_json, require
 from blockspec.errors import BlockspecError
 
 SAMPLING_EPS = 1e-5
-MAX_LOGPROBS = 20   # vLLM's default --max-logprobs, and OpenAI's top_logprobs limit
+MAX_LOGPROBS = 20
+MIN_TOP_P = 1e-6   # vLLM's default --max-logprobs, and OpenAI's top_logprobs limit
 # Upper edges (inclusive) of the sampled temperature bands; band 0 is greedy. Acceptance
 # falls steeply with temperature, so the drafting policy learns each band apart: a mix of
 # greedy and sampled requests must not make greedy rows stop drafting.
@@ -67,15 +68,17 @@ class SamplingParams:
                  and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
         if self.temperature < SAMPLING_EPS:
             object.__setattr__(self, "temperature", 0.0)
-        require(isinstance(self.top_k, int) and 0 <= self.top_k < 2**31,
-                 f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        # A top_p below float32 resolution would drop every token.
-        require(isinstance(self.top_p, (int, float)) and 1e-6 <= self.top_p <= 1,
-                 f"top_p must be in (0, 1] (and >= 1e-6), got {self.top_p!r}")
+        require(_is_int(self.top_k) and -1 <= self.top_k < 2**31,
+                 f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
+        if self.top_k == -1:   # vLLM's and HF's other spelling of "off"
+            object.__setattr__(self, "top_k", 0)
+        require(_is_real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p < MIN_TOP_P:   # same result (the top token always holds more than 1e-6 of the
+            object.__setattr__(self, "top_p", MIN_TOP_P)   # mass); below float32 resolution none would stay
         require(isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0,
                  f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-                 f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        require(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63),
+                 f"seed must be a signed 64-bit integer, got {self.seed!r}")
         require(isinstance(self.stop_token_ids, (list, tuple)) and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
@@ -157,7 +160,7 @@ class GenerationDefaults:
             if raw.get(key) is not None:
                 values[name] = raw[key]
         if isinstance(values.get("top_k"), int) and values["top_k"] < 0:
-            values["top_k"] = 0  # HF / vLLM spell "off" as 0 or -1; blockspec as 0
+            values["top_k"] = 0  # HF / vLLM spell "off" as 0 or -1 (and HF any negative)
         try:  # the values must make a valid request on their own
             SamplingParams(**values)
         except BlockspecError as exc:

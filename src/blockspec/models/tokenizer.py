@@ -101,6 +101,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (the `token` of a logprobs entry)."""
+        return self.backend.decode([token], skip_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                             tools: list[dict[str, Any]] | None = None,
                             documents: list[dict[str, Any]] | None = None, **kwargs: Any) -> RenderedChat:

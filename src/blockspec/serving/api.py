@@ -26,54 +26,41 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blockspec.config import SamplingParams
-from blockspec.decoding.engine import Engine, RequestHandle
+from blockspec.config import GenerationDefaults, SamplingParams
+from blockspec.decoding.engine import Engine, RequestHandle, RequestOutput
+from blockspec.decoding.logprobs import TokenLogprob
 from blockspec.errors import BlockspecError
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.serving.lifecycle import Admission, AdmissionGate, shutting_down
 from blockspec.serving.metrics import CONTENT_TYPE, exposition, metrics_registry
-from blockspec.serving.protocol import (CLIENT_CLOSED, ENDPOINTS, ApiError, ChatRequest, CompletionRequest,
-                                        SamplingFields, ServerLimits, short_repr, chat_prompt, completion_prompt,
-                                        parse_request, prompt_byte_limit, read_body, sampling_params, token_budget)
+from blockspec.serving.protocol import (CLIENT_CLOSED, ENDPOINTS, MAX_CHOICES, ApiError, ChatRequest,
+                                        CompletionRequest, SamplingFields, ServerLimits, short_repr, chat_prompt,
+                                        completion_prompts, parse_request, prompt_byte_limit, read_body,
+                                        sampling_params, token_budget)
+from blockspec.serving.responses import ChatShape, CompletionShape, Shape, sse, usage
 
 log = logging.getLogger(__name__)
 
-# -- response shapes ------------------------------------------------------------------
+# -- one request's choices ------------------------------------------------------------
 
-class CompletionShape:
-    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+@dataclass
+class Choice:
+    """One choice of a request (a prompt x one of its n samples): one engine request."""
 
-    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-    delta = choice
-
-    def opening(self) -> dict[str, Any] | None:
-        return None
-
-
-class ChatShape:
-    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
-
-    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish}
-
-    def delta(self, text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
-
-    def opening(self) -> dict[str, Any] | None:
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-
-
-Shape = CompletionShape | ChatShape
+    index: int
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    echo: str | None = None        # the prompt's text, returned before the completion (echo)
+    discard: bool = False          # max_tokens=0: the one token the engine generates is not returned
+    handle: RequestHandle | None = None
 
 
 @dataclass
@@ -86,15 +73,17 @@ class Job:
     stream: bool
     include_usage: bool
     shape: Shape
+    choices: list[Choice]
+    logprobs: bool                 # the response carries log-probabilities
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+@dataclass
+class ChoiceResult:
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None
+    finish_reason: str | None
 
 
 def check_finish(reason: str | None) -> str:
@@ -104,6 +93,50 @@ def check_finish(reason: str | None) -> str:
     if reason == "cancelled":
         raise ApiError(503, "the request was cancelled: the server is shutting down")
     raise ApiError(500, "the engine failed while generating; see the server log")
+
+
+def choice_piece(job: Job, c: Choice, text: str, tokens: list[int], logprobs: list[TokenLogprob] | None,
+                 prompt_logprobs: list[TokenLogprob | None] | None, first: bool, offset: int = 0
+                 ) -> tuple[str, dict[str, Any] | None, int]:
+    """(text, logprobs in the endpoint's form, tokens counted) of a choice's output or delta:
+    the echoed prompt first (with its logprobs), nothing of a max_tokens=0 completion."""
+    ids: list[int] = []
+    entries: list[TokenLogprob | None] = []
+    if c.discard:
+        text, tokens = "", []
+    if first and c.echo is not None:
+        text = c.echo + text
+        if prompt_logprobs is not None:
+            ids, entries = list(c.prompt), list(prompt_logprobs)
+    if job.logprobs:
+        ids += tokens
+        entries += (logprobs or [])[:len(tokens)]
+    return text, job.shape.logprobs(ids, entries, offset) if job.logprobs else None, len(tokens)
+
+
+async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """The choices' deltas as they arrive, interleaved."""
+    queue: asyncio.Queue[tuple[Choice, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for out in c.handle:
+                queue.put_nowait((c, out))
+        finally:
+            queue.put_nowait((c, None))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        left = len(choices)
+        while left:
+            c, out = await queue.get()
+            if out is None:
+                left -= 1
+            else:
+                yield c, out
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class EngineStream(StreamingResponse):
@@ -133,9 +166,9 @@ class Service:
     """Request handling shared by both generation endpoints."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, limits: ServerLimits,
-                 admission: Admission) -> None:
+                 admission: Admission, defaults: GenerationDefaults) -> None:
         self.engine, self.tokenizer, self.model_name, self.limits = engine, tokenizer, model_name, limits
-        self.admission = admission
+        self.admission, self.defaults = admission, defaults
         self.max_prompt_bytes = prompt_byte_limit(limits, engine)
         # Half the cores at most: huge prompts queue here rather than take every core from
         # the event loop and the engine (the tokenizer releases the GIL but uses the CPU).
@@ -146,62 +179,94 @@ class Service:
 
     # CPU work of a request (JSON validation, chat rendering, tokenization): in a worker
     # thread, so a huge prompt never stalls the event loop (/health, other streams).
-    def completion_input(self, body: bytes) -> tuple[CompletionRequest, list[int]]:
+    def completion_input(self, body: bytes) -> tuple[CompletionRequest, list[list[int]], list[str] | None]:
         req = parse_request(CompletionRequest, body)
-        return req, completion_prompt(req.prompt, self.tokenizer, self.max_prompt_bytes)
+        prompts = completion_prompts(req.prompt, self.tokenizer, self.max_prompt_bytes)
+        echoes = None
+        if req.echo:   # the prompts as text: as given, or decoded from their token ids
+            given = ([req.prompt] if isinstance(req.prompt, str) else [None] if isinstance(req.prompt[0], int)
+                     else req.prompt)
+            echoes = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(given, prompts)]
+        return req, prompts, echoes
 
     def chat_input(self, body: bytes) -> tuple[ChatRequest, list[int]]:
         req = parse_request(ChatRequest, body)
-        return req, chat_prompt(req.messages, self.tokenizer, self.max_prompt_bytes)
+        return req, chat_prompt(req, self.tokenizer, self.max_prompt_bytes)
 
     async def completions(self, request: Request) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
-        req, prompt = await self.off_loop(self.completion_input, body)
-        return await self.generate(request, req, prompt, CompletionShape(), "prompt", "max_tokens", req.max_tokens)
+        req, prompts, echoes = await self.off_loop(self.completion_input, body)
+        logprobs = req.logprobs
+        return await self.generate(request, req, prompts, CompletionShape(self.token_text), "prompt", "max_tokens",
+                                   req.max_tokens, logprobs, logprobs if req.echo else None, echoes,
+                                   {"prompt_logprobs": "logprobs"})
 
     async def chat(self, request: Request) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
         req, prompt = await self.off_loop(self.chat_input, body)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await self.generate(request, req, prompt, ChatShape(), "messages", max_param, requested)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return await self.generate(request, req, [prompt], ChatShape(self.token_text), "messages", max_param,
+                                   requested, logprobs, None, None, {"logprobs": "top_logprobs"})
 
-    async def generate(self, request: Request, req: SamplingFields, prompt: list[int], shape: Shape,
-                       prompt_param: str, max_param: str, requested: int | None) -> Response:
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.token_text(token)
+
+    async def generate(self, request: Request, req: SamplingFields, prompts: list[list[int]], shape: Shape,
+                       prompt_param: str, max_param: str, requested: int | None, logprobs: int | None,
+                       prompt_logprobs: int | None, echoes: list[str] | None, names: dict[str, str]) -> Response:
         if req.model is not None and req.model != self.model_name:
             raise ApiError(404, f"the model '{short_repr(req.model)}' does not exist; this server serves "
                                 f"'{self.model_name}'", "model")
-        budget = token_budget(requested, len(prompt), self.engine, self.limits, prompt_param, max_param)
-        params = sampling_params(req, budget, self.engine.target.config.vocab_size, max_param)
-        job = Job(f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time()), len(prompt), bool(req.stream),
-                  bool(req.stream_options and req.stream_options.include_usage), shape)
-        handle = self.submit(job, prompt, params, prompt_param)
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n={req.n} is more than the {MAX_CHOICES} choices "
+                                "this server generates per request", "n")
+        job_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+        choices = []
+        for i, prompt in enumerate(prompts):
+            budget = token_budget(requested, len(prompt), self.engine, self.limits, prompt_param, max_param)
+            params = sampling_params(req, max(budget, 1), self.engine.target.config.vocab_size, max_param,
+                                     self.defaults, logprobs, prompt_logprobs, names)
+            for j in range(req.n):   # vLLM's n: child j samples with seed + j
+                index = i * req.n + j
+                seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
+                choices.append(Choice(index, job_id if len(prompts) * req.n == 1 else f"{job_id}-{index}", prompt,
+                                      replace(params, seed=seed), echoes[i] if echoes else None, budget == 0))
+        job = Job(job_id, int(time.time()), sum(map(len, prompts)), bool(req.stream),
+                  bool(req.stream_options and req.stream_options.include_usage), shape, choices,
+                  logprobs is not None)
+        self.submit(job, prompt_param)
+        cancel = lambda: [self.engine.cancel(c.id) for c in job.choices]   # noqa: E731
         if job.stream:
-            return EngineStream(self.events(job, handle), lambda: self.engine.cancel(job.id))
+            return EngineStream(self.events(job), cancel)
         try:
-            return await self.respond(request, job, handle)
+            return await self.respond(request, job)
         finally:
-            self.engine.cancel(job.id)  # client gone or task cancelled: free the slot
+            cancel()  # client gone or task cancelled: free the slots
 
-    def submit(self, job: Job, prompt: list[int], params: SamplingParams, prompt_param: str) -> RequestHandle:
+    def submit(self, job: Job, prompt_param: str) -> None:
         m = self.engine.metrics()
         # No lock needed: handlers share one event loop and nothing awaits between check and
         # submit; the engine thread only ever lowers the count.
-        if m["running"] + m["waiting"] >= m["slots"] + self.limits.max_queue:
+        if m["running"] + m["waiting"] + len(job.choices) > m["slots"] + self.limits.max_queue:
             raise ApiError(429, "the server is busy (request queue full); retry later", headers={"Retry-After": "1"})
         if self.admission.draining:  # arrived before the drain, tokenized during it
             raise shutting_down()
         try:
-            return self.engine.submit(prompt, params, request_id=job.id)
+            for c in job.choices:
+                c.handle = self.engine.submit(c.prompt, c.params, request_id=c.id)
         except BlockspecError as exc:
+            for c in job.choices:
+                self.engine.cancel(c.id)
             if self.engine.failure is not None:
                 raise ApiError(503, "the engine has stopped; see the server log") from None
             raise ApiError(400, str(exc), prompt_param) from None
 
-    async def respond(self, request: Request, job: Job, handle: RequestHandle) -> Response:
-        # Iterate the handle rather than await its future: cancelling an await on the
+    async def respond(self, request: Request, job: Job) -> Response:
+        # Iterate the handles rather than await their futures: cancelling an await on a
         # future would cancel it under the engine, which sets its result later.
-        collect = asyncio.ensure_future(collect_output(handle))
+        collect = asyncio.ensure_future(asyncio.gather(*(collect_output(c.handle) for c in job.choices)))
         gone = asyncio.ensure_future(until_disconnect(request))
         try:
             done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -210,12 +275,15 @@ class Service:
             collect.cancel()  # a no-op once it has finished
         if collect not in done:
             raise ApiError(CLIENT_CLOSED, "the client closed the connection")
-        text, tokens, reason = collect.result()
+        out, tokens = [], 0
+        for c, res in zip(job.choices, collect.result()):
+            text, logprobs, n = choice_piece(job, c, res.text, res.tokens, res.logprobs, res.prompt_logprobs, True)
+            out.append(job.shape.choice(c.index, text, check_finish(res.finish_reason), logprobs))
+            tokens += n
         return JSONResponse({"id": job.id, "object": job.shape.object, "created": job.created,
-                             "model": self.model_name, "choices": [job.shape.choice(text, check_finish(reason))],
-                             "usage": usage(job.prompt_tokens, tokens)})
+                             "model": self.model_name, "choices": out, "usage": usage(job.prompt_tokens, tokens)})
 
-    async def events(self, job: Job, handle: RequestHandle) -> AsyncIterator[str]:
+    async def events(self, job: Job) -> AsyncIterator[str]:
         """Server-sent events as OpenAI clients parse them, ending with `data: [DONE]`."""
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             body = {"id": job.id, "object": job.shape.chunk_object, "created": job.created,
@@ -225,15 +293,23 @@ class Service:
             return sse({**body, **extra})
 
         tokens = 0
+        offsets = {c.index: 0 for c in job.choices}   # text streamed per choice (completions' text_offset)
+        started: set[int] = set()
         try:
-            opening = job.shape.opening()
-            if opening is not None:
-                yield chunk([opening])
-            async for out in handle:
-                tokens += len(out.token_ids)
+            for c in job.choices:
+                opening = job.shape.opening(c.index)
+                if opening is not None:
+                    yield chunk([opening])
+            async for c, out in merged(job.choices):
+                first = c.index not in started
+                started.add(c.index)
+                text, logprobs, n = choice_piece(job, c, out.text or "", out.token_ids, out.logprobs,
+                                                 out.prompt_logprobs, first, offsets[c.index])
+                tokens += n
+                offsets[c.index] += len(text)
                 finish = check_finish(out.finish_reason) if out.finished else None
-                if out.text or finish:
-                    yield chunk([job.shape.delta(out.text or "", finish)])
+                if text or finish or (logprobs and any(logprobs.values())):
+                    yield chunk([job.shape.delta(c.index, text, finish, logprobs)])
             if job.include_usage:
                 yield chunk([], usage=usage(job.prompt_tokens, tokens))
         except ApiError as exc:
@@ -244,14 +320,19 @@ class Service:
         yield "data: [DONE]\n\n"
 
 
-async def collect_output(handle: RequestHandle) -> tuple[str, int, str | None]:
-    """(text, completion tokens, finish reason) of a request, from its stream of deltas."""
-    parts, tokens, reason = [], 0, None
+async def collect_output(handle: RequestHandle) -> ChoiceResult:
+    """A request's whole output, from its stream of deltas."""
+    res = ChoiceResult("", [], [], None, None)
+    parts = []
     async for out in handle:
         parts.append(out.text or "")
-        tokens += len(out.token_ids)
-        reason = out.finish_reason
-    return "".join(parts), tokens, reason
+        res.tokens += out.token_ids
+        res.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            res.prompt_logprobs = out.prompt_logprobs
+        res.finish_reason = out.finish_reason
+    res.text = "".join(parts)
+    return res
 
 
 # -- middleware and app ---------------------------------------------------------------------
@@ -309,7 +390,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: str | None = None,
-               limits: ServerLimits = ServerLimits()) -> FastAPI:
+               limits: ServerLimits = ServerLimits(), defaults: GenerationDefaults = GenerationDefaults()) -> FastAPI:
     """The OpenAI-compatible app; it starts `engine` at startup and cancels its requests at shutdown."""
     if engine.tokenizer is None:
         raise BlockspecError("the Engine needs a tokenizer for text output and stop strings: "
@@ -317,7 +398,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: s
     if api_key is not None and not api_key:
         raise BlockspecError("the API key must not be empty")
     admission = Admission(engine)
-    service = Service(engine, tokenizer, model_name, limits, admission)
+    service = Service(engine, tokenizer, model_name, limits, admission, defaults)
     counts: Counter = Counter()
     started = int(time.time())
     num_drafts = engine.draft.config.num_drafts if engine.draft is not None else 0

@@ -12,16 +12,19 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
-from blockspec.config import SamplingParams
+from blockspec.config import GenerationDefaults, SamplingParams
 from blockspec.decoding.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.models.tokenizer import Tokenizer
 
-MIN_TOP_P = 1e-6        # float32 rounds a smaller top_p to 0, which would drop every token
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
-INT64 = (-2**63, 2**63 - 1)   # torch generators take 64-bit seeds
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+MAX_CHOICES = 128       # prompts x n of one request; each is an engine request
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+             "/detokenize", "/version", "/tokenizer_info")
+# chat_template_kwargs names the renderer sets itself
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
+                            "special_tokens", "chat_template", "tokenize")
 CLIENT_CLOSED = 499     # nginx's "client closed request": only ever seen in /metrics
 # Default prompt-size limit in bytes, checked before tokenizing: this many bytes per token of
 # the prompt-token limit. Real tokenizers average 3-5 bytes per token; a prompt beyond 16 is
@@ -109,18 +112,19 @@ class SamplingFields(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None                     # bookkeeping only: accepted, ignored
-    # OpenAI fields the engine cannot honour: only their no-op values pass (NOOP_VALUES).
-    n: Any = None
-    logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None     # vLLM extension
+    min_p: float | None = None                  # vLLM extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: Any = None
-    best_of: Any = None
+    echo: bool = False
+    logprobs: int | None = None                 # legacy: this many alternatives per token
+    best_of: int | None = None
     suffix: Any = None
 
 
@@ -140,7 +144,11 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None
     metadata: dict[str, str] | None = None      # bookkeeping only
     parallel_tool_calls: bool | None = None     # meaningless without tools
-    top_logprobs: Any = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM extension, e.g. {"enable_thinking": false}
+    add_generation_prompt: bool | None = None   # None: true unless continue_final_message
+    continue_final_message: bool = False
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -149,9 +157,7 @@ class ChatRequest(SamplingFields):
 
 
 NOOP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
+    "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
 }
@@ -172,6 +178,21 @@ def parse_request(model: type[M], body: bytes) -> M:
                                 f"(accepted: {', '.join(map(repr, allowed))})", name)
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "'stream_options' is only allowed with stream=true", "stream_options")
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be in 1..{MAX_CHOICES}, got {req.n}", "n")
+    if getattr(req, "best_of", None) not in (None, req.n):   # no server-side ranking: vLLM V1's rule too
+        raise ApiError(400, "'best_of' must equal 'n' (or be left out): this server returns every choice it "
+                            "generates", "best_of")
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise ApiError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                           "continue_final_message")
+        bad = sorted(set(req.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
+        if bad:
+            raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(bad)}: use the request's own "
+                                "fields", "chat_template_kwargs")
     return req
 
 
@@ -226,12 +247,15 @@ def token_budget(requested: int | None, prompt_len: int, engine: Engine, limits:
     cap = limits.max_tokens or model_len - 1
     if requested is None:
         return min(cap, room)
+    if requested < 0:
+        raise ApiError(400, f"'{max_param}' must be >= 0 (0: nothing generated; with echo, the prompt's "
+                            f"log-probabilities alone), got {requested}", max_param)
     if requested > cap:
         raise ApiError(400, f"'{max_param}' is {requested}; this server allows at most {cap}", max_param)
     if requested > room:
         raise ApiError(400, f"this model's maximum context length is {model_len} tokens; the prompt uses "
                             f"{prompt_len}, so '{max_param}' can be at most {room} (got {requested})", max_param)
-    return requested  # <= 0 is left to SamplingParams, which names the problem
+    return requested
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -242,48 +266,81 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def sampling_params(req: SamplingFields, max_new: int, vocab_size: int, max_param: str) -> SamplingParams:
-    """Map OpenAI fields onto SamplingParams, whose own validation names the bad field."""
-    temperature = 1.0 if req.temperature is None else req.temperature  # the OpenAI default (below 1e-5: greedy)
-    top_k = req.top_k or 0
-    if top_k == -1 or top_k >= vocab_size:  # vLLM's "off"; k >= vocab keeps everything anyway
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias} with string keys -> {id: bias} (ranges: SamplingParams)."""
+    out = {}
+    for key, value in (raw or {}).items():
+        if not key.isdigit():
+            raise ApiError(400, f"'logit_bias' keys must be token ids, got {short_repr(key)}", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def sampling_params(req: SamplingFields, max_new: int, vocab_size: int, max_param: str,
+                    defaults: GenerationDefaults = GenerationDefaults(),
+                    logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    names: dict[str, str] | None = None) -> SamplingParams:
+    """Map OpenAI fields over the checkpoint's generation_config.json defaults onto
+    SamplingParams, whose own validation (the only one) names the bad field (`names`:
+    SamplingParams field -> the request's, where they differ). Left out everywhere:
+    OpenAI's temperature 1.0."""
+    top_k = req.top_k
+    if top_k is not None and top_k >= vocab_size:  # k >= vocab keeps everything anyway
         top_k = 0
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if 0 < top_p < MIN_TOP_P:  # same result: the top token always holds more than 1e-6 of the mass
-        top_p = MIN_TOP_P
-    if req.seed is not None and not INT64[0] <= req.seed <= INT64[1]:
-        raise ApiError(400, "'seed' must fit in a signed 64-bit integer", "seed")
+    values = dict(temperature=req.temperature, top_k=top_k, top_p=req.top_p, min_p=req.min_p,
+                  repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                  frequency_penalty=req.frequency_penalty)
     try:
-        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed,
-                              max_new_tokens=max_new, stop=stop_strings(req.stop),
-                              stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+        if req.temperature is None and defaults.temperature is None:
+            values["temperature"] = 1.0   # the OpenAI default (below 1e-5: greedy)
+        return defaults.sampling_params(
+            **values, seed=req.seed, max_new_tokens=max_new, stop=stop_strings(req.stop),
+            stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+            logit_bias=logit_bias(req.logit_bias), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except BlockspecError as exc:
         field = str(exc).split(" ", 1)[0]  # SamplingParams messages start with the field name
-        raise ApiError(400, str(exc).replace("max_new_tokens", max_param),
-                       max_param if field == "max_new_tokens" else field) from None
+        field = max_param if field == "max_new_tokens" else (names or {}).get(field, field)
+        raise ApiError(400, str(exc).replace("max_new_tokens", max_param), field) from None
 
 
-def completion_prompt(prompt: str | list[int] | list[str] | list[list[int]], tokenizer: Tokenizer,
-                      max_bytes: int) -> list[int]:
-    """Token ids of a completion prompt; text over `max_bytes` is refused untokenized. CPU work:
+def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]], tokenizer: Tokenizer,
+                       max_bytes: int) -> list[list[int]]:
+    """Token ids of each prompt of a completion request (a string, token ids, or a list of
+    either: independent prompts); text over `max_bytes` is refused untokenized. CPU work:
     the server runs it off the event loop."""
-    if prompt and isinstance(prompt, list) and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ApiError(400, "only one prompt per request is supported; send one request per prompt", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(check_prompt_bytes(prompt, max_bytes, "prompt"))
-    return list(prompt)
+    if not prompt:
+        raise ApiError(400, "'prompt' is empty", "prompt")
+    many = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
+    if len(many) > MAX_CHOICES:
+        raise ApiError(400, f"'prompt' holds {len(many)} prompts; at most {MAX_CHOICES} per request", "prompt")
+    return [tokenizer.encode(check_prompt_bytes(p, max_bytes, "prompt")) if isinstance(p, str) else list(p)
+            for p in many]
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, max_bytes: int) -> list[int]:
-    """Token ids of the rendered chat; a rendering over `max_bytes` is refused untokenized."""
+def render_chat(req: ChatRequest, tokenizer: Tokenizer) -> str:
+    """The chat as the template renders it, with the request's template options (vLLM's fields)."""
     plain = [{"role": "system" if m.role == "developer" else m.role,  # "developer" is OpenAI's new "system"
               "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-             for m in messages]
+             for m in req.messages]
+    add_generation = not req.continue_final_message if req.add_generation_prompt is None else req.add_generation_prompt
     try:
-        text = tokenizer.apply_chat_template(plain)
+        text = tokenizer.apply_chat_template(plain, add_generation, **(req.chat_template_kwargs or {}))
     except BlockspecError as exc:
         raise ApiError(400, str(exc), "messages") from None
+    except TypeError as exc:   # a template variable given twice
+        raise ApiError(400, f"'chat_template_kwargs': {exc}", "chat_template_kwargs") from None
+    if req.continue_final_message:   # end the prompt right after the last message's content (transformers' rule)
+        final = plain[-1]["content"]
+        at = text.rfind(final) if final else -1
+        if at < 0 or not final:
+            raise ApiError(400, "'continue_final_message': the final message's content is empty or not in the "
+                                "rendered chat", "continue_final_message")
+        text = type(text)(text[:at + len(final)])
+    return text
+
+
+def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, max_bytes: int) -> list[int]:
+    """Token ids of the rendered chat; a rendering over `max_bytes` is refused untokenized."""
+    text = render_chat(req, tokenizer)
     # The template wrote the special tokens (BOS): encoded without adding any, as transformers does.
     return tokenizer.encode(check_prompt_bytes(text, max_bytes, "messages"), add_special_tokens=False)

@@ -157,6 +157,7 @@ def build_engine(args: argparse.Namespace):
     models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size,
                          chat_template=args.chat_template, **load_options(args))
     target, tokenizer, draft = models.target, models.tokenizer, models.draft
+    args.generation_defaults = models.generation_defaults   # the server's request defaults, as the CLI's
     if draft is not None and spec.num_drafts is not None:
         draft = draft.with_block_size(block_for(draft.config.layout, spec.num_drafts))
     table = CostTable.load(args.cost_table) if args.cost_table else None
@@ -181,7 +182,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                           max_prompt_bytes=args.max_prompt_bytes)
     engine, tokenizer, name = build_engine(args)
-    app = create_app(engine, tokenizer, name, api_key=args.api_key or None, limits=limits)
+    app = create_app(engine, tokenizer, name, api_key=args.api_key or None, limits=limits,
+                     defaults=args.generation_defaults)
     if args.host not in LOOPBACK and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who reaches this port can use it", args.host)
     log.info("model %r: method %s, %d KV slots of %d positions", name, engine.method, engine.rows,
