@@ -3,7 +3,9 @@
     app = create_app(engine, tokenizer, "my-model", api_key=None, limits=ServerLimits())
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both `stream` true
-or false), GET /v1/models, GET /health, GET /metrics (Prometheus text, metrics.py).
+or false; logprobs, echo, n and lists of prompts as vLLM answers them), GET /v1/models,
+GET /health, GET /metrics (Prometheus text, metrics.py), and vLLM's /tokenize,
+/detokenize, /version, /v1/models/{id} and /tokenizer_info (endpoints.py).
 
 The app owns the engine's background thread: it starts it at startup and
 cancels what is left at shutdown, so pass an engine that is not started.
@@ -44,6 +46,7 @@ from blockspec.serving.protocol import (CLIENT_CLOSED, ENDPOINTS, MAX_CHOICES, A
                                         CompletionRequest, SamplingFields, ServerLimits, short_repr, chat_prompt,
                                         completion_prompts, parse_request, prompt_byte_limit, read_body,
                                         sampling_params, token_budget)
+from blockspec.serving.endpoints import add_operational_routes
 from blockspec.serving.responses import ChatShape, CompletionShape, Shape, sse, usage
 
 log = logging.getLogger(__name__)
@@ -428,11 +431,15 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: s
     async def chat_completions(request: Request) -> Response:
         return await service.chat(request)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": started, "owned_by": "blockspec",
+                "root": model_name, "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": started, "owned_by": "blockspec",
-             "max_model_len": engine.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    add_operational_routes(app, service, model_card)
 
     @app.get("/health")
     async def health() -> Response:

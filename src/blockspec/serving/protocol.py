@@ -139,16 +139,21 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class ChatRequest(SamplingFields):
+class ChatTemplateFields(_Strict):
+    """How a chat is rendered (vLLM's fields): /v1/chat/completions and /tokenize."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM extension, e.g. {"enable_thinking": false}
+    add_generation_prompt: bool | None = None   # None: true unless continue_final_message
+    continue_final_message: bool = False
+
+
+class ChatRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: int | None = None
     metadata: dict[str, str] | None = None      # bookkeeping only
     parallel_tool_calls: bool | None = None     # meaningless without tools
     logprobs: bool = False
     top_logprobs: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None   # vLLM extension, e.g. {"enable_thinking": false}
-    add_generation_prompt: bool | None = None   # None: true unless continue_final_message
-    continue_final_message: bool = False
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -176,6 +181,8 @@ def parse_request(model: type[M], body: bytes) -> M:
         if not any(value == ok and type(value) is type(ok) for ok in allowed):
             raise ApiError(400, f"'{name}' = {short_repr(value)} is not supported by this server "
                                 f"(accepted: {', '.join(map(repr, allowed))})", name)
+    if not isinstance(req, SamplingFields):
+        return req
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "'stream_options' is only allowed with stream=true", "stream_options")
     if not 1 <= req.n <= MAX_CHOICES:
@@ -183,16 +190,8 @@ def parse_request(model: type[M], body: bytes) -> M:
     if getattr(req, "best_of", None) not in (None, req.n):   # no server-side ranking: vLLM V1's rule too
         raise ApiError(400, "'best_of' must equal 'n' (or be left out): this server returns every choice it "
                             "generates", "best_of")
-    if isinstance(req, ChatRequest):
-        if req.top_logprobs is not None and not req.logprobs:
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        if req.continue_final_message and req.add_generation_prompt:
-            raise ApiError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
-                           "continue_final_message")
-        bad = sorted(set(req.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
-        if bad:
-            raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(bad)}: use the request's own "
-                                "fields", "chat_template_kwargs")
+    if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return req
 
 
@@ -317,8 +316,15 @@ def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]], to
             for p in many]
 
 
-def render_chat(req: ChatRequest, tokenizer: Tokenizer) -> str:
-    """The chat as the template renders it, with the request's template options (vLLM's fields)."""
+def render_chat(req: ChatTemplateFields, tokenizer: Tokenizer) -> str:
+    """The chat as the template renders it, with the request's template options."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise ApiError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                       "continue_final_message")
+    bad = sorted(set(req.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
+    if bad:
+        raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(bad)}: use the request's own fields",
+                       "chat_template_kwargs")
     plain = [{"role": "system" if m.role == "developer" else m.role,  # "developer" is OpenAI's new "system"
               "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
              for m in req.messages]
@@ -339,7 +345,7 @@ def render_chat(req: ChatRequest, tokenizer: Tokenizer) -> str:
     return text
 
 
-def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, max_bytes: int) -> list[int]:
+def chat_prompt(req: ChatTemplateFields, tokenizer: Tokenizer, max_bytes: int) -> list[int]:
     """Token ids of the rendered chat; a rendering over `max_bytes` is refused untokenized."""
     text = render_chat(req, tokenizer)
     # The template wrote the special tokens (BOS): encoded without adding any, as transformers does.
