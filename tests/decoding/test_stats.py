@@ -23,6 +23,10 @@ def test_per_position_acceptance_and_draft_counters():
     assert s["drafts"] == 4 and s["drafts_verified"] == 11 and s["drafts_accepted"] == 6
     assert s["accepted_per_position"] == {0: 3, 1: 2, 2: 1}
     assert sum(s["accepted_per_position"].values()) == s["drafts_accepted"]
+    # acceptance lengths over drafting request-rounds: mean 1 + accepted / drafts (vLLM's formula)
+    hist = s["accepted_histogram"]
+    assert hist == {3: 1, 0: 1, 1: 1, 2: 1} and sum(hist.values()) == s["drafts"]
+    assert 1 + sum(k * n for k, n in hist.items()) / sum(hist.values()) == 1 + s["drafts_accepted"] / s["drafts"]
 
 
 def test_latency_histograms_from_request_times():
@@ -31,14 +35,15 @@ def test_latency_histograms_from_request_times():
     stats.admitted(times, 100.5)
     stats.tokens(times, 1, 101.0)      # first token: TTFT 1.0
     stats.tokens(times, 0, 101.1)      # no tokens: nothing observed
-    stats.tokens(times, 3, 101.25)     # one delivery of 3 tokens: one ITL sample of 0.25
+    stats.tokens(times, 3, 101.25)     # one delivery of 3 tokens: three ITL samples of 0.25 / 3
     stats.tokens(times, 1, 101.30)
     stats.request_finished(times, "length", 102.0)
     lat = stats.snapshot()["latency"]
     assert lat["time_to_first_token"]["count"] == 1 and lat["time_to_first_token"]["sum"] == 1.0
     assert lat["request_queue_time"]["sum"] == 0.5
     itl = lat["inter_token_latency"]
-    assert itl["count"] == 2 and math.isclose(itl["sum"], 0.30)
+    assert itl["count"] == 4 and math.isclose(itl["sum"], 0.30)   # one per token after the first
+    assert dict(itl["buckets"])[0.075] == 1 and dict(itl["buckets"])[0.1] == 4   # 0.05, then 3 x 0.0833
     assert lat["e2e_request_latency"]["count"] == 1 and lat["e2e_request_latency"]["sum"] == 2.0
     per_token = lat["request_time_per_output_token"]
     assert per_token["count"] == 1 and math.isclose(per_token["sum"], 0.30 / 4)   # 5 tokens, 4 gaps

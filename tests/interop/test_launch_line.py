@@ -181,3 +181,24 @@ def test_blockspec_line_parses_with_serve_and_the_server_starts(models, capsys, 
         assert reply.json()["choices"][0]["text"] != ""
     finally:
         ctx.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_printed_vllm_and_sglang_lines_start_blockspec_serve(models, capsys, engine):
+    """The line `launch-line --engine vllm|sglang` prints, pasted after `blockspec serve`, starts the server."""
+    code, out, err = run_cli(capsys, "launch-line", str(models / "dflash"), "--engine", engine,
+                             "--target", str(models / "target"))
+    assert code == 0, err
+    words = shlex.split(out)
+    program = engine_table()["command_lines"][engine]["program"]
+    args = serve_args(*words[len(program):], "--served-model-name", "tiny")
+    engine_, tokenizer, _ = build_engine(args)
+    assert engine_.method == "dflash" and engine_.draft.config.num_drafts == 3
+    ctx, url = start(engine_, tokenizer)
+    try:
+        reply = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                           json={"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text
+    finally:
+        ctx.__exit__(None, None, None)

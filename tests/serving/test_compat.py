@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from blockspec.errors import BlockspecError
-from blockspec.serving.server import build_engine, resolve_speculation
+from blockspec.config import GenerationDefaults
+from blockspec.serving.server import build_engine, resolve_speculation, warn_ignored
 from serving_harness import serve_args, write_models
 from test_api import _up, free_port, wait_for
 
@@ -62,9 +63,33 @@ def test_conflicts_and_unsupported_keys(dirs, capsys):
     with pytest.raises(SystemExit) as exc:
         serve_args("--speculative-config", '{"method": "dflash", "speculative_token_tree": "[(0,)]"}')
     assert exc.value.code == 2 and "speculative_token_tree" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:
-        serve_args(target, "--tensor-parallel-size", "2")
-    assert exc.value.code == 2 and "--tensor-parallel-size" in capsys.readouterr().err   # the one flag, named
+    for flags in (["--kv-cache-dtype", "fp8"], ["--seed", "1"]):   # ignoring them would change results
+        with pytest.raises(SystemExit) as exc:
+            serve_args(target, *flags)
+        assert exc.value.code == 2 and flags[0] in capsys.readouterr().err   # the one flag, named
+
+
+def test_common_vllm_and_sglang_flags_are_accepted_with_a_warning(dirs, caplog, tmp_path):
+    target, draft = dirs
+    ignored = ["--attention-backend", "FLASH_ATTN", "--trust-remote-code", "--enable-prefix-caching",
+               "--tensor-parallel-size", "2", "--enforce-eager", "--disable-log-requests"]
+    args = serve_args(*vllm_line(target, draft), *ignored, "--disable-log-stats", "--generation-config", "vllm")
+    with caplog.at_level(logging.WARNING):
+        warn_ignored(args)
+        build_engine(args)
+    for flag in ("--attention-backend", "--trust-remote-code", "--enable-prefix-caching", "--tensor-parallel-size",
+                 "--enforce-eager", "--disable-log-requests"):
+        assert f"{flag} is accepted for compatibility and ignored" in caplog.text
+    caplog.clear()
+    warn_ignored(serve_args(target, "--tp-size", "1"))
+    assert "ignored" not in caplog.text   # one device asked for: nothing to warn about
+    assert args.generation_defaults == GenerationDefaults() and args.disable_log_stats
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 7}))
+    args = serve_args(target, "--generation-config", str(tmp_path))
+    build_engine(args)
+    assert (args.generation_defaults.temperature, args.generation_defaults.top_k) == (0.3, 7)
+    with pytest.raises(BlockspecError, match="--generation-config"):
+        build_engine(serve_args(target, "--generation-config", str(tmp_path / "none")))
 
 
 @pytest.mark.slow

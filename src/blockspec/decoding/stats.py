@@ -42,9 +42,9 @@ class Histogram:
         self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1   # le: value <= bound
-        self.sum += value
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times   # le: value <= bound
+        self.sum += value * times
 
     def snapshot(self) -> dict[str, Any]:
         """{"buckets": [(upper bound, cumulative count)...], "sum", "count"}; the last bound is inf."""
@@ -94,7 +94,9 @@ class EngineStats:
             c["drafts_accepted"] += sum(outcome.accepted)
             # A "draft" as vLLM counts it (spec_decode_num_drafts): a request-round that verified drafts.
             c["drafts"] += sum(1 for v in outcome.verified if v > 0)
-            self._accepted.update(outcome.accepted)
+            # Acceptance lengths over drafting request-rounds only (vLLM's 1 + accepted / drafts):
+            # a round that verified no draft says nothing about the drafter.
+            self._accepted.update(a for a, v in zip(outcome.accepted, outcome.verified) if v > 0)
             self._verified.update(outcome.verified)
             for accepted in outcome.accepted:   # drafts are accepted as a prefix: positions 0..accepted-1
                 self._accepted_per_pos.update(range(accepted))
@@ -104,7 +106,8 @@ class EngineStats:
 
     def tokens(self, times: RequestTimes, n: int, now: float) -> None:
         """A request delivered `n` tokens at `now` (counted as generated): its first token (TTFT, queue time) or the
-        gap since its previous delivery (inter-token latency; one sample per delivery, as vLLM)."""
+        gap since its previous delivery, shared by the tokens it delivered: n inter-token samples of gap / n, what a
+        client timing its tokens sees (one sample of the whole gap per step would be a step time, not a token's)."""
         if n <= 0:
             return
         gap = times.delivered(n, now)
@@ -112,8 +115,10 @@ class EngineStats:
             self._counts["generated_tokens"] += n
             if gap is None:
                 self._latency["time_to_first_token"].observe(now - times.arrival)
+                if n > 1:   # tokens after the first in the same delivery came with no wait
+                    self._latency["inter_token_latency"].observe(0.0, n - 1)
             else:
-                self._latency["inter_token_latency"].observe(gap)
+                self._latency["inter_token_latency"].observe(gap / n, n)
 
     def admitted(self, times: RequestTimes, now: float) -> None:
         times.admitted = now

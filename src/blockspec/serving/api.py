@@ -47,6 +47,7 @@ from blockspec.serving.protocol import (CLIENT_CLOSED, ENDPOINTS, MAX_CHOICES, A
                                         completion_prompts, parse_request, prompt_byte_limit, read_body,
                                         sampling_params, token_budget)
 from blockspec.serving.endpoints import add_operational_routes
+from blockspec.serving.stats_log import log_stats
 from blockspec.serving.responses import ChatShape, CompletionShape, Shape, sse, usage
 
 log = logging.getLogger(__name__)
@@ -393,8 +394,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: str | None = None,
-               limits: ServerLimits = ServerLimits(), defaults: GenerationDefaults = GenerationDefaults()) -> FastAPI:
-    """The OpenAI-compatible app; it starts `engine` at startup and cancels its requests at shutdown."""
+               limits: ServerLimits = ServerLimits(), defaults: GenerationDefaults = GenerationDefaults(),
+               stats_interval: float = 0.0) -> FastAPI:
+    """The OpenAI-compatible app; it starts `engine` at startup and cancels its requests at shutdown.
+    defaults: the checkpoint's generation_config.json sampling defaults; stats_interval > 0: log
+    vLLM's engine stats line that often (stats_log.py)."""
     if engine.tokenizer is None:
         raise BlockspecError("the Engine needs a tokenizer for text output and stop strings: "
                              "build it with Engine(..., tokenizer=tokenizer)")
@@ -410,9 +414,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: s
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        stats = asyncio.ensure_future(log_stats(engine.metrics, stats_interval)) if stats_interval > 0 else None
         try:
             yield
         finally:  # uvicorn has drained (or cancelled) the HTTP requests by now
+            if stats is not None:
+                stats.cancel()
             await asyncio.to_thread(engine.shutdown, drain=False, timeout=60)
             service.cpu.shutdown(wait=False, cancel_futures=True)
 

@@ -32,8 +32,8 @@ from prometheus_client.utils import floatToGoString
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_DOCS = {
     "time_to_first_token": "Histogram of time to first token in seconds.",
-    "inter_token_latency": "Histogram of the time between two token deliveries of a request in seconds "
-                           "(one sample per engine step; a speculative step delivers several tokens).",
+    "inter_token_latency": "Histogram of the time between two tokens of a request in seconds (one sample per "
+                           "token after the first: a delivery of n tokens is n samples of its gap / n).",
     "e2e_request_latency": "Histogram of e2e request latency in seconds.",
     "request_queue_time": "Histogram of time spent waiting for a KV slot in seconds.",
     "request_time_per_output_token": "Histogram of (last token - first token) / (tokens - 1) per request.",
@@ -73,12 +73,13 @@ class EngineCollector(Collector):
         yield self.acceptance_length("blockspec_acceptance_length", m, labels={})
 
     def acceptance_length(self, name: str, m: dict[str, Any], labels: dict[str, str]) -> Metric:
-        """Tokens per request per round (accepted drafts + the bonus token): tau's samples."""
+        """Tokens per drafting request-round (accepted drafts + the bonus token): its mean is vLLM's mean
+        acceptance length, 1 + accepted / drafts."""
         hist = {accepted + 1: n for accepted, n in m["accepted_histogram"].items()}
         top = max([self.num_drafts + 1, *hist])
         buckets = [(str(le), sum(n for k, n in hist.items() if k <= le)) for le in range(1, top + 1)]
         buckets.append(("+Inf", sum(hist.values())))
-        family = HistogramMetricFamily(name, "Tokens produced per request per round (accepted drafts + 1).",
+        family = HistogramMetricFamily(name, "Tokens produced per drafting request-round (accepted drafts + 1).",
                                        labels=list(labels))
         family.add_metric(list(labels.values()), buckets, sum(k * n for k, n in hist.items()))
         return family

@@ -32,12 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockspec.config import DRAFT_METHODS, DraftConfig
+from blockspec.config import DRAFT_METHODS, DraftConfig, GenerationDefaults
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.loading import load_models
 from blockspec.options import add_adapt_flag, add_model_flags, load_options
+from blockspec.serving.stats_log import INTERVAL_S as STATS_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,22 @@ SPEC_CONFIG_KEYS = ("method", "model", "num_speculative_tokens")
 SPEC_CONFIG_IGNORED = ("attention_backend", "disable_padded_drafter_batch", "disable_log_stats", "disable_logprobs",
                        "enforce_eager", "disable_by_batch_size", "draft_tensor_parallel_size")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# vLLM / SGLang flags that do not change what blockspec computes: accepted, with a one-line
+# warning naming why they do nothing here. flag(s) -> (argparse options, why).
+IGNORED_FLAGS: dict[tuple[str, ...], tuple[dict[str, Any], str]] = {
+    ("--attention-backend",): ({}, "blockspec picks its own attention kernels"),
+    ("--trust-remote-code",): ({"action": "store_true"}, "blockspec never runs code from a checkpoint"),
+    ("--enable-prefix-caching", "--no-enable-prefix-caching", "--disable-radix-cache"):
+        ({"action": "store_true"}, "blockspec keeps no prefix cache (every prompt is prefilled)"),
+    ("--enforce-eager",): ({"action": "store_true"}, "blockspec runs eagerly unless --compile"),
+    ("--disable-log-requests", "--enable-log-requests"): ({"action": "store_true"},
+                                                          "blockspec does not log request bodies"),
+    ("--tensor-parallel-size", "-tp", "--tp-size", "--tp"): ({"type": int}, "blockspec runs on one device"),
+    ("--pipeline-parallel-size", "-pp", "--pp-size"): ({"type": int}, "blockspec runs on one device"),
+    ("--swap-space",): ({"type": float}, "blockspec does not swap KV blocks to the host"),
+    ("--uvicorn-log-level",): ({}, "use --log-level"),
+    ("--max-log-len",): ({"type": int}, "blockspec does not log prompts"),
+}
 
 
 # -- speculation flags ----------------------------------------------------------------------
@@ -157,7 +174,8 @@ def build_engine(args: argparse.Namespace):
     models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size,
                          chat_template=args.chat_template, **load_options(args))
     target, tokenizer, draft = models.target, models.tokenizer, models.draft
-    args.generation_defaults = models.generation_defaults   # the server's request defaults, as the CLI's
+    # the server's request defaults, as the CLI's
+    args.generation_defaults = generation_defaults(args, models.generation_defaults)
     if draft is not None and spec.num_drafts is not None:
         draft = draft.with_block_size(block_for(draft.config.layout, spec.num_drafts))
     table = CostTable.load(args.cost_table) if args.cost_table else None
@@ -168,6 +186,30 @@ def build_engine(args: argparse.Namespace):
                     prefill_chunk_tokens=args.prefill_chunk_tokens)
     log.info("%s", engine.plan.describe())
     return engine, tokenizer, args.served_model_name or args.target or "blockspec"
+
+
+def warn_ignored(args: argparse.Namespace) -> None:
+    for flags, (_, why) in IGNORED_FLAGS.items():
+        value = getattr(args, ignored_dest(flags))
+        if value not in (None, False) and not (flags[0].endswith("parallel-size") and value == 1):
+            log.warning("%s is accepted for compatibility and ignored: %s", flags[0], why)
+
+
+def ignored_dest(flags: tuple[str, ...]) -> str:
+    return "ignored_" + flags[0].lstrip("-").replace("-", "_")
+
+
+def generation_defaults(args: argparse.Namespace, target_defaults: GenerationDefaults) -> GenerationDefaults:
+    """vLLM's --generation-config: "auto" (the target's generation_config.json), "vllm" (none) or a folder."""
+    if args.generation_config == "auto":
+        return target_defaults
+    if args.generation_config == "vllm":
+        return GenerationDefaults()
+    folder = Path(args.generation_config)
+    if not (folder / "generation_config.json").is_file():
+        raise BlockspecError(f"--generation-config: {folder / 'generation_config.json'} does not exist "
+                             "(give auto, vllm or a folder holding one)")
+    return GenerationDefaults.load(folder)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -181,9 +223,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                           max_prompt_bytes=args.max_prompt_bytes)
+    warn_ignored(args)
     engine, tokenizer, name = build_engine(args)
     app = create_app(engine, tokenizer, name, api_key=args.api_key or None, limits=limits,
-                     defaults=args.generation_defaults)
+                     defaults=args.generation_defaults,
+                     stats_interval=0.0 if args.disable_log_stats else STATS_INTERVAL_S)
     if args.host not in LOOPBACK and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who reaches this port can use it", args.host)
     log.info("model %r: method %s, %d KV slots of %d positions", name, engine.method, engine.rows,
@@ -258,6 +302,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-dspark-block-size", type=int, default=None, help="DeepSpec block size (drafts)")
     g.add_argument("--speculative-config", type=speculative_config, default=None,
                    help='JSON, e.g. \'{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}\'')
+    g.add_argument("--generation-config", default="auto",
+                   help="request sampling defaults: auto (the target's generation_config.json), vllm (none: "
+                        "OpenAI's), or a folder holding a generation_config.json (vLLM's flag)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help=f"no periodic engine stats line (default: every {STATS_INTERVAL_S:.0f} s while busy)")
+    g.add_argument("--kv-cache-dtype", choices=["auto"], default="auto",
+                   help="only auto: a quantised KV cache would change the results")
+    c = p.add_argument_group("accepted for compatibility, ignored with a warning")
+    for flags, (options, why) in IGNORED_FLAGS.items():
+        c.add_argument(*flags, dest=ignored_dest(flags), default=None, help=why, **options)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
