@@ -106,3 +106,19 @@ def test_a_plan_without_room_for_one_sequence_is_a_clear_error():
         gpu_plan(model, 80, max_model_len=200_000)
     with pytest.raises(BlockspecError, match="max_num_seqs"):
         plan_kv(KVShapes.of(LLAMA31_8B, torch.bfloat16), GIB, 0)
+
+
+def test_cpu_default_budget_is_modest(monkeypatch):
+    """On a CPU host the default KV budget is the smaller of 4 GiB and a quarter of the free memory
+    (vLLM's CPU backend), not 0.9 x the host: a 131k-context checkpoint must not take the machine."""
+    from blockspec.decoding import memory
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: (256 * GIB, 100 * GIB))
+    budget, source = memory.memory_budget("cpu", None, None, GIB)
+    assert budget == 4 * GIB and "CPU default" in source and "--kv-memory-gb" in source
+    monkeypatch.setattr(memory, "device_memory", lambda device: (16 * GIB, 9 * GIB))
+    assert memory.memory_budget("cpu", None, None, GIB)[0] == 2 * GIB   # a quarter of (9 - 1) GiB
+    assert memory.memory_budget("cpu", 0.5, None, GIB)[0] == int(0.5 * 16 * GIB) - 7 * GIB - GIB   # as asked
+    assert memory.memory_budget("cpu", None, 10.0, GIB)[0] == 10 * GIB
+    plan = plan_kv(KVShapes.of(LLAMA31_8B, torch.bfloat16), memory.memory_budget("cpu", None, None, GIB)[0], 32)
+    assert plan.total_bytes <= 2 * GIB and plan.max_model_len < 131072   # capped to what the budget holds

@@ -2,7 +2,8 @@
 preallocates, sized like vLLM's --gpu-memory-utilization.
 
     budget = utilization x total memory - memory in use now (weights, others) - reserve
-    (or --kv-memory-gb GiB, given directly)
+    (or --kv-memory-gb GiB, given directly; on the CPU by default the smaller of 4 GiB and
+    a quarter of the free memory, as vLLM's CPU backend)
     max_model_len = the one asked for, else the model's, capped to what one slot can hold
     slots = min(max_num_seqs, budget // bytes of one slot)
 
@@ -26,6 +27,10 @@ from blockspec.models.layers import FusedLinears
 
 GIB = 2**30
 DEFAULT_UTILIZATION = 0.9     # vLLM's default --gpu-memory-utilization
+# On the CPU the host's memory is everyone's: by default the KV cache takes at most this much and a
+# quarter of the memory free now, as vLLM's CPU backend's VLLM_CPU_KVCACHE_SPACE (default 4 GiB).
+CPU_DEFAULT_KV_BYTES = 4 * 2**30
+CPU_DEFAULT_FREE_SHARE = 0.25
 WORKSPACE_BYTES = GIB         # allocator / library workspace kept out of the KV budget
 MIN_MODEL_LEN = 2
 
@@ -181,6 +186,12 @@ def memory_budget(device: torch.device | str, utilization: float | None, kv_memo
         if not kv_memory_gb > 0:
             raise BlockspecError(f"--kv-memory-gb must be > 0, got {kv_memory_gb}")
         return int(kv_memory_gb * GIB), f"--kv-memory-gb {kv_memory_gb:g}"
+    if utilization is None and torch.device(device).type == "cpu":
+        total, free = device_memory(device)
+        budget = min(CPU_DEFAULT_KV_BYTES, int(CPU_DEFAULT_FREE_SHARE * (free - reserve)))
+        return budget, (f"CPU default: the smaller of {CPU_DEFAULT_KV_BYTES / GIB:g} GiB and "
+                        f"{CPU_DEFAULT_FREE_SHARE:g} x ({free / GIB:.1f} GiB free - {reserve / GIB:.1f} GiB reserve); "
+                        "raise it with --kv-memory-gb or --gpu-memory-utilization")
     utilization = DEFAULT_UTILIZATION if utilization is None else utilization
     if not 0 < utilization <= 1:
         raise BlockspecError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
