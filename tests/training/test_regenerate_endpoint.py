@@ -154,3 +154,13 @@ def test_which_turns_are_answered():
     assert requests_for([s, u, a, u, a]) == [2, 4]
     assert requests_for([u, a, u]) == [1, 3]
     assert requests_for([a, u, a, a]) == [2]          # a leading / repeated answer has no prompt of its own
+
+
+def test_readme_recipe_extra_body_reaches_the_template(server, tmp_path):
+    """The README's Qwen3 recipe: --extra-body chat_template_kwargs (thinking off) is honoured by our server."""
+    url, _ = server
+    src = tmp_path / "rows.jsonl"
+    src.write_text("\n".join(json.dumps(ROWS[i]) for i in (0, 2)) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert run(url, src, out, "--extra-body", '{"chat_template_kwargs": {"enable_thinking": false}}') == 0
+    assert len(rows_of(out)) == 2
