@@ -69,3 +69,44 @@ def test_nothing_imports_the_cli():
             if any(n == "blockspec.cli" for n in names):
                 importers.append(str(path.relative_to(SRC)))
     assert importers == []
+
+
+def test_version(capsys):
+    from blockspec import __version__
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"blockspec {__version__}"
+
+
+def test_calibrate_writes_a_new_draft_unless_in_place(tmp_path, capsys):
+    import json
+
+    from blockspec.models.checkpoint import save_draft
+    from conftest import make_draft, write_tiny_target_dir
+
+    target = write_tiny_target_dir(tmp_path / "target")
+    save_draft(make_draft(target, "deepspec", 3, markov_rank=4, confidence=True), tmp_path / "draft")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i + 2}"}) + "\n" for i in range(8)))
+    before = (tmp_path / "draft" / "config.json").read_text()
+    argv = ["calibrate", "--draft", str(tmp_path / "draft"), "--target", str(tmp_path / "target"), "--prompts",
+            str(prompts), "--num-prompts", "8", "--max-new-tokens", "6", "--force"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["saved"] and report["out"] == str(tmp_path / "draft-calibrated")
+    assert (tmp_path / "draft" / "config.json").read_text() == before   # the given draft is untouched
+    written = json.loads((tmp_path / "draft-calibrated" / "config.json").read_text())
+    assert written["confidence_temperatures"] == report["temperatures"]
+    assert cli.main(argv) == 2 and "exists" in capsys.readouterr().err   # never overwritten silently
+    assert cli.main([*argv, "--in-place"]) == 0
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["confidence_temperatures"]
+
+
+def test_profile_creates_the_output_directory(tmp_path, capsys):
+    from conftest import write_tiny_target_dir
+
+    write_tiny_target_dir(tmp_path / "target")
+    out = tmp_path / "runs" / "cost_table.json"   # the README's path, in a fresh directory
+    assert cli.main(["profile", "--target", str(tmp_path / "target"), "--out", str(out), "--tokens", "1,2",
+                     "--rows", "2", "--context", "8", "--repeats", "1"]) == 0
+    assert out.is_file()

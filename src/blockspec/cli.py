@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from blockspec import embedded
+from blockspec import __version__, embedded
 from blockspec.bench.cli import add_bench_parser
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import generate
@@ -63,10 +64,18 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not args.chat:
         sys.stdout.write(args.prompt)
 
+    deliveries = [0]
+
     def on_tokens(row: int, tokens: list[int]) -> None:
+        deliveries[0] += 1
+        if args.compile and deliveries[0] == 2:   # the first round's tokens: its steps are compiled
+            print(f"\n[compile] compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         sys.stdout.write(stream.push(tokens, final=False)[1])
         sys.stdout.flush()
 
+    if args.compile:
+        print("[compile] compiling the decoding steps (torch.compile, once per process; tens of seconds on a "
+              "small CPU) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     out = generate(models.target, [prompt_ids], params, draft=models.draft, method=args.method, rule=args.rule,
                    on_tokens=on_tokens, compile=args.compile, adapt=args.adapt)
@@ -177,6 +186,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     table = profile_cost_table(target, ns, repeats=args.repeats, rows=args.rows, context=args.context,
                                capture=tuple(draft.config.target_layer_ids) if draft is not None else (),
                                draft=draft, draft_rows=draft_rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     table.save(Path(args.out))
     report = {"out": args.out, "points": len(table.ns),
               "ms": {n: round(t * 1e3, 3) for n, t in zip(table.ns, table.times_s)}}
@@ -202,9 +212,25 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     # Keep the temperatures only if they calibrate the held-out half better.
     improved = summary["after"]["ece"] < summary["before"]["ece"]
     saved = not args.dry_run and (improved or args.force)
-    if saved:
-        save_temperatures(Path(args.draft), temps)
-    print(json.dumps({"temperatures": temps, "held_out": summary, "saved": saved}))
+    out = calibrated_dir(Path(args.draft), args.out, args.in_place) if saved else None
+    if out is not None:
+        save_temperatures(out, temps)
+    print(json.dumps({"temperatures": temps, "held_out": summary, "saved": saved,
+                      "out": str(out) if out is not None else None}))
+
+
+def calibrated_dir(draft: Path, out: str | None, in_place: bool) -> Path:
+    """Where calibrated temperatures go: the draft itself only with --in-place; else a copy of it
+    (--out, default DRAFT-calibrated), so a shipped or shared draft is never rewritten by surprise."""
+    if in_place:
+        if out is not None:
+            raise BlockspecError("give --out or --in-place, not both")
+        return draft
+    target = Path(out) if out is not None else draft.with_name(draft.name + "-calibrated")
+    if target.exists():
+        raise BlockspecError(f"{target} exists: choose another --out (or --in-place to rewrite {draft})")
+    shutil.copytree(draft, target)
+    return target
 
 
 def _add_generate(sub: Any) -> None:
@@ -278,6 +304,8 @@ def _add_calibrate(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=123)
     p.add_argument("--dry-run", action="store_true", help="report only, do not write the temperatures")
     p.add_argument("--force", action="store_true", help="write the temperatures even if held-out ECE does not improve")
+    p.add_argument("--out", default=None, help="the calibrated draft: a copy of --draft (default: DRAFT-calibrated)")
+    p.add_argument("--in-place", action="store_true", help="write the temperatures into --draft itself")
     add_load_flags(p)
     p.set_defaults(func=cmd_calibrate)
 
@@ -330,6 +358,7 @@ def _add_pretrain(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockspec", description="Block speculative decoding (DFlash / DSpark).")
+    parser.add_argument("--version", action="version", version=f"blockspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
