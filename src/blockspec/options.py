@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import re
 from pathlib import Path
 from typing import Any
 
@@ -85,17 +87,29 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     add_load_flags(p)
 
 
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field's trailing `# comment` in the dataclass's source: its documentation, in one place."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):   # no source shipped: flags without help text
+        return {}
+    return {m[1]: m[2].strip() for m in re.finditer(r"^\s+(\w+):[^\n#]*#([^\n]*)$", source, re.M)}
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field (--field-name), typed by its default."""
+    """One flag per dataclass field (--field-name), typed by its default, documented by its comment."""
+    comments = field_comments(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
+        text = comments.get(f.name, "")
+        help_text = f"{text} (default: {default!r})" if text else f"default: {default!r}"
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text or None)
         elif default is None:
-            parser.add_argument(flag, default=None)
+            parser.add_argument(flag, default=None, help=help_text)
         else:
-            parser.add_argument(flag, type=type(default), default=default)
+            parser.add_argument(flag, type=type(default), default=default, help=help_text.replace("%", "%%"))
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, config_file: str | None = None) -> Any:

@@ -194,3 +194,53 @@ def test_packed_training_follows_the_unpacked_run(setup, method, block, monkeypa
     assert len(got) == len(ref) == 4
     assert len(rows) == 4 and all(r.ids.shape == (1, 160) and len(r.segments[0]) == 4 for r in rows)
     assert got == pytest.approx(ref, rel=1e-4)
+
+
+def test_small_data_default_target_and_distinct_layers(setup, tmp_path, capsys, monkeypatch):
+    """6 examples with the default --eval-examples 16: a fifth is held out (one), the rest trains; a 4-layer
+    target with 2 draft layers captures two distinct layers (the design formula alone gives [1, 1])."""
+    from blockspec.training import trainer as trainer_module
+
+    rows = (setup / "data.jsonl").read_text().splitlines()[:6]
+    (tmp_path / "small.jsonl").write_text("\n".join(rows) + "\n")
+    monkeypatch.setattr(trainer_module, "default_target", lambda: setup / "target")   # the embedded stand-in
+    cfg = TrainConfig(method="dflash", data=str(tmp_path / "small.jsonl"), out=str(tmp_path / "out"), block_size=4,
+                      num_layers=2, num_anchors=4, batch_size=2, max_steps=2, eval_new_tokens=4, threads=1)
+    train(cfg)   # no --target: the embedded target
+    assert "holding out 1 for evaluation" in capsys.readouterr().out
+    raw = json.loads((tmp_path / "out" / "draft" / "config.json").read_text())
+    ids = raw["dflash_config"]["target_layer_ids"]
+    assert len(set(ids)) == 2 and all(0 <= i < 4 for i in ids)
+    with pytest.raises(BlockspecError, match="distinct layers"):
+        train(TrainConfig(method="dflash", data=str(tmp_path / "small.jsonl"), out=str(tmp_path / "o2"),
+                          target_layer_ids="1,1", max_steps=1, threads=1))
+    with pytest.raises(BlockspecError, match="only 4"):
+        train(TrainConfig(method="dflash", data=str(tmp_path / "small.jsonl"), out=str(tmp_path / "o3"),
+                          num_layers=5, max_steps=1, threads=1))
+
+
+def test_evaluation_sees_the_weights_as_trained(setup):
+    """The eval tau follows the draft's current weights: after in-place optimizer updates it equals a
+    fresh copy's (no stale fused-weight cache), and differs from the weights before."""
+    import torch
+
+    from blockspec.models.draft import DraftModel
+    from blockspec.training.data import load_examples
+    from blockspec.training.trainer import evaluate_acceptance
+    from conftest import make_draft
+    from blockspec.models.tokenizer import Tokenizer
+
+    target = load_target(setup / "target")
+    tok = Tokenizer(setup / "target")
+    examples = load_examples(setup / "data.jsonl", 64, tok, [], target.config.vocab_size, [])[:6]
+    draft = make_draft(target, "zlab", 4)
+    before = evaluate_acceptance(draft, target, examples, 12)
+    opt = torch.optim.AdamW(draft.parameters(), lr=0.5)
+    for p in draft.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()   # in place, as training does
+    after = evaluate_acceptance(draft, target, examples, 12)
+    fresh = DraftModel(draft.config).to(draft.dtype).eval().requires_grad_(False)
+    fresh.load_state_dict(draft.state_dict())
+    assert after == evaluate_acceptance(fresh, target, examples, 12)
+    assert after != before

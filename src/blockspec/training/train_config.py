@@ -20,41 +20,41 @@ TRAIN_METHODS = (*DRAFT_METHODS, "eagle3")
 @dataclass
 class TrainConfig:
     method: str = "dflash"              # dflash (z-lab layout) | dspark (DeepSpec) | eagle3 (LlamaForCausalLMEagle3)
-    target: str = ""                    # HF target directory
+    target: str = ""                    # HF target directory ("" = the embedded target)
     data: str = ""                      # jsonl: prompt_ids/response_ids rows or conversations
-    out: str = "runs/draft"
+    out: str = "runs/draft"             # where the draft (out/draft) and checkpoints go
     init_from: str | None = None        # continue from a saved draft
     block_size: int = 16                # zlab: includes the anchor; deepspec: gamma
-    num_layers: int = 1
+    num_layers: int = 1                 # draft decoder layers
     intermediate_size: int = 0          # 0 = the target's
     num_heads: int = 0                  # 0 = the target's
-    num_kv_heads: int = 0
+    num_kv_heads: int = 0               # 0 = the target's
     target_layer_ids: str = ""          # "1,5" ; empty = design default for num_layers
     ttt_steps: int = 7                  # eagle3: unrolled training-time-test steps (and drafts per evaluated round)
     draft_vocab_size: int = 32000       # eagle3: draft vocabulary (most frequent trained tokens, <= the target's)
-    markov_rank: int = 64
-    markov_head_type: str = "vanilla"
-    confidence: bool = True
+    markov_rank: int = 64               # DSpark: rank of the Markov head (0 = none)
+    markov_head_type: str = "vanilla"   # DSpark Markov head: vanilla | gated
+    confidence: bool = True             # DSpark: train the confidence head
     init_from_target: bool = False      # warm start: draft layers = the target's last layers (see warm_start)
     mask_token_id: int = -1             # -1 = the tokenizer's mask token, else the first unused embedding row
     loss_decay: float = 0.0             # 0 = the reference value for the block size
-    num_anchors: int = 32
+    num_anchors: int = 32               # anchors (blocks) sampled per training sequence
     batch_size: int = 4                 # per process and micro-batch
-    grad_accum: int = 1
-    max_len: int = 512
+    grad_accum: int = 1                 # micro-batches per optimizer step
+    max_len: int = 512                  # tokens per example (longer ones are cut)
     pack: bool = False                  # pack several examples back to back per row (up to max_len tokens)
-    epochs: float = 1.0
+    epochs: float = 1.0                 # passes over the data (when max_steps is 0)
     max_steps: int = 0                  # 0 = from epochs
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    eval_every: int = 100
-    eval_examples: int = 16
-    eval_new_tokens: int = 64
+    lr: float = 6e-4                    # peak learning rate (AdamW)
+    warmup_ratio: float = 0.04          # fraction of the steps with a linear warmup, then cosine decay
+    weight_decay: float = 0.0           # AdamW weight decay
+    grad_clip: float = 1.0              # clip the gradient norm to this (0 = off)
+    eval_every: int = 100               # greedy acceptance (tau) on the held-out examples every N steps
+    eval_examples: int = 16             # examples held out for evaluation (at most a fifth of small data)
+    eval_new_tokens: int = 64           # tokens generated per held-out example in evaluation
     save_every: int = 100               # atomic checkpoint (model, optimizer, scheduler, data, RNG) every N steps
     resume: bool = False                # continue from <out>/checkpoints (exactly where it was saved)
-    seed: int = 0
+    seed: int = 0                       # initial weights, data order and anchors
     bf16: bool = False                  # draft compute under bf16 autocast (the draft's weights stay fp32)
     device: str = "auto"                # cpu | cuda | auto (cuda when available)
     dtype: str = ""                     # frozen target: "" = bfloat16 on GPU (or with --bf16), float32 on CPU; auto = the checkpoint's
@@ -63,16 +63,16 @@ class TrainConfig:
     ce_chunk: int = 4096                # trained slots per vocabulary-projection chunk; 0 = all at once
     logdir: str = ""                    # TensorBoard event files here (needs tensorboard)
     wandb: bool = False                 # log to Weights & Biases (needs wandb)
-    wandb_project: str = "blockspec"
-    threads: int = 0
+    wandb_project: str = "blockspec"    # Weights & Biases project
+    threads: int = 0                    # torch CPU threads (0 = torch's default)
     time_budget_s: float = 0.0          # > 0: fit max_steps to this wall time (timed over the first steps)
     halt_at_step: int = 0               # > 0: stop after this step without saving, as a killed run would
 
     def validate(self) -> None:
         if self.method not in TRAIN_METHODS:
             raise BlockspecError(f"train: method must be one of {', '.join(TRAIN_METHODS)}, got {self.method!r}")
-        if not self.target or not self.data:
-            raise BlockspecError("train: --target and --data are required")
+        if not self.data:
+            raise BlockspecError("train: --data is required (jsonl of prompt_ids/response_ids rows or conversations)")
         for name in ("block_size", "num_layers", "num_anchors", "batch_size", "grad_accum", "max_len", "eval_every",
                      "save_every"):
             if getattr(self, name) <= 0:
@@ -108,10 +108,26 @@ class TrainConfig:
         return self.dtype or ("bfloat16" if self.bf16 or device.type == "cuda" else "float32")
 
 
+def distinct_layer_ids(layers: int, wanted: int, design: list[int]) -> list[int]:
+    """The design's layer ids (docs/design.md section 2) when they are distinct; on a target too
+    shallow for that (4 layers, 2 draft layers: [1, 1]) the same span, 1..layers-2, spread over
+    distinct layers, then the whole stack; an error if the target has fewer layers than asked."""
+    if len(set(design)) == len(design):
+        return design
+    for low, high in ((1, layers - 2), (0, layers - 1)):
+        if high - low + 1 >= wanted:
+            return [low + round(i * (high - low) / max(wanted - 1, 1)) for i in range(wanted)]
+    raise BlockspecError(f"train: {wanted} target layers to capture, but the target has only {layers}: "
+                         "lower --num-layers or give --target-layer-ids")
+
+
 def draft_config_for(cfg: TrainConfig, target: TargetModel, mask_token_id: int) -> DraftConfig:
     tc = target.config
     ids = ([int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids
-           else tc.default_layer_ids(cfg.num_layers))
+           else distinct_layer_ids(tc.num_hidden_layers, cfg.num_layers, tc.default_layer_ids(cfg.num_layers)))
+    if len(set(ids)) != len(ids) or not all(0 <= i < tc.num_hidden_layers for i in ids):
+        raise BlockspecError(f"train: target_layer_ids {ids} must be distinct layers of the target's "
+                             f"0..{tc.num_hidden_layers - 1}")
     dspark = cfg.method == "dspark"
     return DraftConfig(
         layout=cfg.layout, block_size=cfg.block_size, mask_token_id=mask_token_id, target_layer_ids=ids,

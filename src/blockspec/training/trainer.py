@@ -17,6 +17,7 @@ import contextlib
 import gc
 import math
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from blockspec.config import SamplingParams
+from blockspec.embedded import default_target
 from blockspec.decoding.acceptance import AcceptanceStats
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
@@ -140,14 +142,24 @@ def load_data(cfg: TrainConfig, tokenizer: Tokenizer, target: TargetModel, repor
     if skipped and report:
         print(f"train: skipped {len(skipped)} row(s) with fewer than 2 trained tokens within --max-len "
               f"{cfg.max_len}: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
-    held_out, examples = examples[:cfg.eval_examples], examples[cfg.eval_examples:]
-    if not examples:
-        raise BlockspecError(f"train: {cfg.data} has no examples left after the {cfg.eval_examples} held out "
-                             "for evaluation (lower --eval-examples)")
-    return examples, held_out
+    if len(examples) < 2:
+        raise BlockspecError(f"train: {cfg.data} has {len(examples)} usable example(s); training and its "
+                             "held-out evaluation need at least 2")
+    # Small data: hold out at most a fifth (at least one), never all of it.
+    held = min(cfg.eval_examples, max(1, len(examples) // 5))
+    if held < cfg.eval_examples and report:
+        print(f"train: {len(examples)} examples: holding out {held} for evaluation (--eval-examples "
+              f"{cfg.eval_examples} would leave too few to train on)")
+    return examples[held:], examples[:held]
+
+
+def with_target(cfg: TrainConfig) -> TrainConfig:
+    """No --target: the embedded target, as every other command."""
+    return cfg if cfg.target else dataclasses.replace(cfg, target=str(default_target()))
 
 
 def setup(cfg: TrainConfig) -> Run:
+    cfg = with_target(cfg)
     cfg.validate()
     d = D.init_distributed(cfg.device)
     if cfg.threads:
@@ -363,6 +375,7 @@ def param_checksum(draft: AnyDraft) -> float:
 # -- the loop --------------------------------------------------------------------------------
 
 def train(cfg: TrainConfig) -> dict:
+    cfg = with_target(cfg)
     run = setup(cfg)
     d = run.d
     t_start = time.time() - run.elapsed
