@@ -280,7 +280,7 @@ def test_cli_parser_and_handler(models, tmp_path, capsys):
     defaults = parser.parse_args(["bench"])
     assert (defaults.datasets, defaults.temperatures, defaults.max_new_tokens, defaults.out, defaults.methods,
             defaults.block_sizes, defaults.simulate_accept) == (
-        ["humaneval", "heldout"], [0.0, 1.0], 128, "docs/bench", None, None, None)
+        ["humaneval", "heldout"], [0.0, 1.0], 128, "runs/bench", None, None, None)   # outside the source tree
     full = parser.parse_args(["bench", "--methods", "ar,dflash", "--block-sizes", "8,16", "--temperatures", "0,0.7",
                               "--simulate-accept", "3.5", "--repeats", "3", "--concurrency", "1,4"])
     assert (full.methods, full.block_sizes, full.temperatures, full.simulate_accept, full.repeats,
@@ -293,8 +293,41 @@ def test_cli_parser_and_handler(models, tmp_path, capsys):
                               "--max-new-tokens", "4", "--limit", "1", "--out", str(tmp_path / "cli"),
                               "--no-progress"])
     args.func(args)
-    assert "| prompts | ar |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| prompts | ar |" in out
+    assert out.startswith("row: prompts T=0 ar: tau 1.00")   # streamed as the row finished, before the table
     assert strict_json(tmp_path / "cli" / "results.json")["meta"]["methods"] == ["ar"]
+
+
+def test_bench_uses_only_the_drafts_it_is_given(tmp_path):
+    from blockspec.bench.cli import _draft_dirs
+
+    parser = argparse.ArgumentParser(prog="blockspec")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    given = _draft_dirs(parser.parse_args(["bench", "--target", "T", "--dflash-draft", "D"]))
+    assert given == {"dflash": Path("D"), "dspark": None}   # no embedded DSpark draft next to another target
+    assert _draft_dirs(parser.parse_args(["bench", "--target", "T"])) == {"dflash": None, "dspark": None}
+    embedded_only = _draft_dirs(parser.parse_args(["bench"]))
+    assert all(v is None or v.is_dir() for v in embedded_only.values())
+
+
+def test_interrupted_bench_keeps_the_finished_groups(models, tmp_path, monkeypatch):
+    from blockspec.bench import run as run_module
+
+    real, calls = run_module._run_group, []
+
+    def interrupted(*args, **kw):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(run_module, "_run_group", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(models / "target", {}, [str(models / "prompts.jsonl")], ["ar"], temperatures=[0.0, 1.0],
+                  max_new_tokens=4, limit=1, out_dir=tmp_path / "part", progress=False)
+    partial = strict_json(tmp_path / "part" / "results.json")
+    assert len(partial["rows"]) == 1 and any("interrupted" in n for n in partial["meta"]["notes"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -33,8 +33,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="benchmark AR / transformers / DFlash / DSpark: tau, speed-up, "
                                             "calibration (JSON + Markdown + plots)")
     add_target_flag(p)
-    p.add_argument("--dflash-draft", default=None, help="DFlash draft directory (default: the embedded one, if any)")
-    p.add_argument("--dspark-draft", default=None, help="DSpark draft directory (default: the embedded one, if any)")
+    p.add_argument("--dflash-draft", default=None,
+                   help="DFlash draft directory (default: the embedded one, with the embedded target and no draft given)")
+    p.add_argument("--dspark-draft", default=None,
+                   help="DSpark draft directory (default: the embedded one, with the embedded target and no draft given)")
     p.add_argument("--datasets", type=_csv(str), default=["humaneval", "heldout"],
                    help="comma-separated: humaneval, heldout, heldout:CORPUS_DIR, PATH.jsonl")
     p.add_argument("--methods", type=_csv(str), default=None,
@@ -48,7 +50,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--block-sizes", type=_csv(int), default=None,
                    help="draft block sizes to sweep, in each draft's layout convention (default: as trained)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (median)")
-    p.add_argument("--out", default="docs/bench", help="output directory for results.json / results.md / PNGs")
+    p.add_argument("--out", default="runs/bench",
+                   help="output directory for results.json / results.md / PNGs (default: runs/bench under the "
+                        "working directory; partial results are kept there on Ctrl-C)")
     p.add_argument("--simulate-accept", type=float, default=None, metavar="TAU",
                    help="force mean tokens/round = TAU (timing of random-weight models; output NOT lossless)")
     add_dtype_flag(p)
@@ -68,12 +72,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _draft_dirs(args: argparse.Namespace) -> dict[str, Path | None]:
-    """Explicit flags win; otherwise the embedded drafts, where they are shipped."""
+    """The drafts given; with none given and the embedded target, the embedded drafts (an
+    embedded draft never joins another target or a draft the user chose)."""
     out: dict[str, Path | None] = {}
+    chosen = bool(args.target) or any(getattr(args, f"{key}_draft") for key in DRAFT_METHODS)
     for key in DRAFT_METHODS:
         given = getattr(args, f"{key}_draft")
-        if given:
-            out[key] = Path(given)
+        if given or chosen:
+            out[key] = Path(given) if given else None
         else:
             try:
                 out[key] = embedded.default_draft(key)

@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import math
 import platform
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -152,10 +153,11 @@ def _progress(enabled: bool, total: int) -> Iterator[Callable[[str], None]]:
         yield lambda label: None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     columns = (TextColumn("[bold]bench[/] {task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
+               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
         task = bar.add_task("", total=total)
         yield lambda label: bar.update(task, advance=1, description=label)
@@ -192,13 +194,21 @@ def _run_group(arms: list[Arm], prompts: list[BenchPrompt], prompt_ids: list[lis
     return rows
 
 
+def row_line(row: dict[str, Any]) -> str:
+    """One finished row, as it is streamed to stdout (the full table comes at the end)."""
+    speedup = f"{row['speedup']:.2f}x" if row.get("speedup") is not None else "-"
+    return (f"row: {row['dataset']} T={row['temperature']:g} {row['label']}: tau {row['tau']:.2f}, "
+            f"{row['tokens_per_s']:.1f} tok/s, speed-up vs AR {speedup}")
+
+
 def _run_all(arms: list[Arm], sets: EncodedSets, setup: BenchSetup, tokenizer: Any,
-             progress: bool) -> tuple[list[dict[str, Any]], list[Path]]:
-    """Every dataset x temperature group, under one progress bar; rows and the plots written."""
+             progress: bool, rows: list[dict[str, Any]]) -> list[Path]:
+    """Every dataset x temperature group, under one progress bar: rows are appended to `rows`
+    (and streamed to stdout) as each group finishes, so an interrupted run keeps them; the plots
+    written are returned."""
     n_prompts = sum(len(ids) for _, ids in sets.values())
     calibrated = len({id(a.draft) for a in arms if calibrates(a)})
     total = len(arms) + len(setup.temperatures) * n_prompts * (len(arms) * setup.repeats + calibrated)
-    rows: list[dict[str, Any]] = []
     plot_files: list[Path] = []
     with _progress(progress, total) as tick:
         warm_up(arms, next(iter(sets.values()))[1][0], setup, tick)
@@ -207,8 +217,10 @@ def _run_all(arms: list[Arm], sets: EncodedSets, setup: BenchSetup, tokenizer: A
                 group = {"dataset": name, "temperature": temp, "repeats": setup.repeats}
                 group_rows = _run_group(arms, prompts, prompt_ids, group, setup, tokenizer, tick)
                 rows += group_rows
+                for row in group_rows:
+                    print(row_line(row), flush=True)
                 plot_files += group_plots(group_rows, setup.block_sizes, setup.out_dir, f"{slug(name)}_t{temp:g}")
-    return rows, plot_files
+    return plot_files
 
 
 def _concurrency(setup: BenchSetup, prompt_ids: list[list[int]], levels: Sequence[int] | None,
@@ -235,7 +247,7 @@ def _concurrency(setup: BenchSetup, prompt_ids: list[list[int]], levels: Sequenc
 def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
               datasets: Sequence[str] | Mapping[str, Sequence[BenchPrompt]], methods: Sequence[str] | None = None,
               temperatures: Sequence[float] = (0.0,), max_new_tokens: int = 128, limit: int | None = None,
-              block_sizes: Sequence[int] | None = None, repeats: int = 1, out_dir: str | Path = "docs/bench",
+              block_sizes: Sequence[int] | None = None, repeats: int = 1, out_dir: str | Path = "runs/bench",
               simulate_accept: float | None = None, *, dtype: str = "float32", device: str | None = None,
               seed: int = 0, ignore_eos: bool = False, rule: str = "rejection",
               cost_table: str | Path | None = None, concurrency: Sequence[int] | None = None,
@@ -267,7 +279,15 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
     arms = build_arms(setup, notes)
     if simulate_accept is not None:
         notes.append(f"simulated acceptance: tau forced to {simulate_accept} per round; outputs are NOT lossless")
-    rows, plot_files = _run_all(arms, sets, setup, tokenizer, progress)
+    rows: list[dict[str, Any]] = []
+    try:
+        plot_files = _run_all(arms, sets, setup, tokenizer, progress, rows)
+    except KeyboardInterrupt:   # keep what finished: the rows of every completed group
+        notes.append(f"interrupted: {len(rows)} row(s) of the finished groups only")
+        write_outputs({"meta": _meta(setup, drafts, sets, limit, every, notes), "rows": rows, "concurrency": None,
+                       "plots": []}, setup.out_dir)
+        print(f"interrupted: partial results in {setup.out_dir / 'results.json'}", file=sys.stderr)
+        raise
     conc, conc_plots = _concurrency(setup, next(iter(sets.values()))[1], concurrency, notes)
     results = {"meta": _meta(setup, drafts, sets, limit, every, notes), "rows": rows, "concurrency": conc,
                "plots": [str(p) for p in plot_files + conc_plots]}
