@@ -195,3 +195,26 @@ def test_operational_endpoints(server):
         assert info["eos_token"] == "<|endoftext|>" and info["chat_template"] == TEMPLATE
         assert info["model_max_length"] == 128
         assert httpx.get(f"{server}/tokenizer_info").status_code == 401   # behind the key as the rest
+
+
+def test_generation_config_defaults_and_one_validation():
+    """The server's request defaults are the checkpoint's generation_config.json (as the CLI's); the
+    request's own values win; SamplingParams alone validates (its message names the request's field)."""
+    from blockspec.config import GenerationDefaults
+    from blockspec.serving.protocol import ApiError, CompletionRequest, parse_request, sampling_params
+
+    def params(body: dict, defaults=GenerationDefaults()):
+        req = parse_request(CompletionRequest, json.dumps({"prompt": "w1", **body}).encode())
+        return sampling_params(req, 4, 64, "max_tokens", defaults, names={"prompt_logprobs": "logprobs"})
+    checkpoint = GenerationDefaults(temperature=0.3, top_k=5, top_p=0.9, repetition_penalty=1.1)
+    p = params({}, checkpoint)
+    assert (p.temperature, p.top_k, p.top_p, p.repetition_penalty) == (0.3, 5, 0.9, 1.1)
+    assert params({"temperature": 0, "top_k": -1}, checkpoint).temperature == 0.0
+    assert params({"top_k": -1}, checkpoint).top_k == 0
+    assert params({}).temperature == 1.0   # no generation_config.json: OpenAI's default
+    assert params({"seed": -5}).seed == -5 and params({"top_k": 1000}).top_k == 0   # k >= vocab: off
+    for body, field in (({"seed": 2**63}, "seed"), ({"top_k": -2}, "top_k"), ({"min_p": 2.0}, "min_p"),
+                        ({"repetition_penalty": 0}, "repetition_penalty")):
+        with pytest.raises(ApiError) as err:
+            params(body)
+        assert err.value.param == field and err.value.status == 400
