@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import time
@@ -28,16 +27,15 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blockspec.config import GenerationDefaults, SamplingParams
-from blockspec.decoding.engine import Engine, RequestHandle, RequestOutput
-from blockspec.decoding.logprobs import TokenLogprob
+from blockspec.config import GenerationDefaults
+from blockspec.decoding.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.serving.lifecycle import Admission, AdmissionGate, shutting_down
@@ -47,101 +45,11 @@ from blockspec.serving.protocol import (CLIENT_CLOSED, ENDPOINTS, MAX_CHOICES, A
                                         completion_prompts, parse_request, prompt_byte_limit, read_body,
                                         sampling_params, token_budget)
 from blockspec.serving.endpoints import add_operational_routes
+from blockspec.serving.responses import (Ask, ChatShape, Choice, CompletionShape, Job, check_finish, choice_piece,
+                                         collect_output, merged, sse, usage)
 from blockspec.serving.stats_log import log_stats
-from blockspec.serving.responses import ChatShape, CompletionShape, Shape, sse, usage
 
 log = logging.getLogger(__name__)
-
-# -- one request's choices ------------------------------------------------------------
-
-@dataclass
-class Choice:
-    """One choice of a request (a prompt x one of its n samples): one engine request."""
-
-    index: int
-    id: str
-    prompt: list[int]
-    params: SamplingParams
-    echo: str | None = None        # the prompt's text, returned before the completion (echo)
-    discard: bool = False          # max_tokens=0: the one token the engine generates is not returned
-    handle: RequestHandle | None = None
-
-
-@dataclass
-class Job:
-    """One admitted request."""
-
-    id: str
-    created: int
-    prompt_tokens: int
-    stream: bool
-    include_usage: bool
-    shape: Shape
-    choices: list[Choice]
-    logprobs: bool                 # the response carries log-probabilities
-
-
-@dataclass
-class ChoiceResult:
-    text: str
-    tokens: list[int]
-    logprobs: list[TokenLogprob]
-    prompt_logprobs: list[TokenLogprob | None] | None
-    finish_reason: str | None
-
-
-def check_finish(reason: str | None) -> str:
-    """Engine finish reasons a client can see; anything else is the server's failure."""
-    if reason in ("stop", "length"):
-        return reason
-    if reason == "cancelled":
-        raise ApiError(503, "the request was cancelled: the server is shutting down")
-    raise ApiError(500, "the engine failed while generating; see the server log")
-
-
-def choice_piece(job: Job, c: Choice, text: str, tokens: list[int], logprobs: list[TokenLogprob] | None,
-                 prompt_logprobs: list[TokenLogprob | None] | None, first: bool, offset: int = 0
-                 ) -> tuple[str, dict[str, Any] | None, int]:
-    """(text, logprobs in the endpoint's form, tokens counted) of a choice's output or delta:
-    the echoed prompt first (with its logprobs), nothing of a max_tokens=0 completion."""
-    ids: list[int] = []
-    entries: list[TokenLogprob | None] = []
-    if c.discard:
-        text, tokens = "", []
-    if first and c.echo is not None:
-        text = c.echo + text
-        if prompt_logprobs is not None:
-            ids, entries = list(c.prompt), list(prompt_logprobs)
-    if job.logprobs:
-        ids += tokens
-        entries += (logprobs or [])[:len(tokens)]
-    return text, job.shape.logprobs(ids, entries, offset) if job.logprobs else None, len(tokens)
-
-
-async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
-    """The choices' deltas as they arrive, interleaved."""
-    queue: asyncio.Queue[tuple[Choice, RequestOutput | None]] = asyncio.Queue()
-
-    async def pump(c: Choice) -> None:
-        try:
-            async for out in c.handle:
-                queue.put_nowait((c, out))
-        finally:
-            queue.put_nowait((c, None))
-
-    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
-    try:
-        left = len(choices)
-        while left:
-            c, out = await queue.get()
-            if out is None:
-                left -= 1
-            else:
-                yield c, out
-    finally:
-        for task in tasks:
-            task.cancel()
-
 
 class EngineStream(StreamingResponse):
     """An SSE response that cancels its engine request however it ends: finished,
@@ -200,10 +108,9 @@ class Service:
     async def completions(self, request: Request) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
         req, prompts, echoes = await self.off_loop(self.completion_input, body)
-        logprobs = req.logprobs
-        return await self.generate(request, req, prompts, CompletionShape(self.token_text), "prompt", "max_tokens",
-                                   req.max_tokens, logprobs, logprobs if req.echo else None, echoes,
-                                   {"prompt_logprobs": "logprobs"})
+        return await self.generate(request, req, Ask(
+            prompts, CompletionShape(self.token_text), "prompt", "max_tokens", req.max_tokens, req.logprobs,
+            req.logprobs if req.echo else None, echoes, {"prompt_logprobs": "logprobs"}))
 
     async def chat(self, request: Request) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
@@ -211,37 +118,44 @@ class Service:
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await self.generate(request, req, [prompt], ChatShape(self.token_text), "messages", max_param,
-                                   requested, logprobs, None, None, {"logprobs": "top_logprobs"})
+        return await self.generate(request, req, Ask([prompt], ChatShape(self.token_text), "messages", max_param,
+                                                     requested, logprobs, names={"logprobs": "top_logprobs"}))
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.token_text(token)
 
-    async def generate(self, request: Request, req: SamplingFields, prompts: list[list[int]], shape: Shape,
-                       prompt_param: str, max_param: str, requested: int | None, logprobs: int | None,
-                       prompt_logprobs: int | None, echoes: list[str] | None, names: dict[str, str]) -> Response:
-        if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"the model '{short_repr(req.model)}' does not exist; this server serves "
-                                f"'{self.model_name}'", "model")
-        if len(prompts) * req.n > MAX_CHOICES:
-            raise ApiError(400, f"{len(prompts)} prompts x n={req.n} is more than the {MAX_CHOICES} choices "
+    def choices(self, req: SamplingFields, ask: Ask, job_id: str) -> list[Choice]:
+        """prompts x n engine requests, each with its own token budget (max_tokens=0: one token, discarded)."""
+        if len(ask.prompts) * req.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(ask.prompts)} prompts x n={req.n} is more than the {MAX_CHOICES} choices "
                                 "this server generates per request", "n")
-        job_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        choices = []
-        for i, prompt in enumerate(prompts):
-            budget = token_budget(requested, len(prompt), self.engine, self.limits, prompt_param, max_param)
-            params = sampling_params(req, max(budget, 1), self.engine.target.config.vocab_size, max_param,
-                                     self.defaults, logprobs, prompt_logprobs, names)
+        single = len(ask.prompts) * req.n == 1
+        out = []
+        for i, prompt in enumerate(ask.prompts):
+            budget = token_budget(ask.requested, len(prompt), self.engine, self.limits, ask.prompt_param,
+                                  ask.max_param)
+            params = sampling_params(req, max(budget, 1), self.engine.target.config.vocab_size, ask.max_param,
+                                     self.defaults, ask.logprobs, ask.prompt_logprobs, ask.names)
             for j in range(req.n):   # vLLM's n: child j samples with seed + j
                 index = i * req.n + j
                 seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
-                choices.append(Choice(index, job_id if len(prompts) * req.n == 1 else f"{job_id}-{index}", prompt,
-                                      replace(params, seed=seed), echoes[i] if echoes else None, budget == 0))
-        job = Job(job_id, int(time.time()), sum(map(len, prompts)), bool(req.stream),
-                  bool(req.stream_options and req.stream_options.include_usage), shape, choices,
-                  logprobs is not None)
-        self.submit(job, prompt_param)
-        cancel = lambda: [self.engine.cancel(c.id) for c in job.choices]   # noqa: E731
+                out.append(Choice(index, job_id if single else f"{job_id}-{index}", prompt,
+                                  replace(params, seed=seed), ask.echoes[i] if ask.echoes else None, budget == 0))
+        return out
+
+    async def generate(self, request: Request, req: SamplingFields, ask: Ask) -> Response:
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"the model '{short_repr(req.model)}' does not exist; this server serves "
+                                f"'{self.model_name}'", "model")
+        job_id = f"{ask.shape.id_prefix}-{uuid.uuid4().hex}"
+        job = Job(job_id, int(time.time()), sum(map(len, ask.prompts)), bool(req.stream),
+                  bool(req.stream_options and req.stream_options.include_usage), ask.shape,
+                  self.choices(req, ask, job_id), ask.logprobs is not None)
+        self.submit(job, ask.prompt_param)
+
+        def cancel() -> None:
+            for c in job.choices:
+                self.engine.cancel(c.id)
         if job.stream:
             return EngineStream(self.events(job), cancel)
         try:
@@ -322,21 +236,6 @@ class Service:
             log.exception("stream %s failed", job.id)
             yield sse(ApiError(500, "internal error while streaming; see the server log").body())
         yield "data: [DONE]\n\n"
-
-
-async def collect_output(handle: RequestHandle) -> ChoiceResult:
-    """A request's whole output, from its stream of deltas."""
-    res = ChoiceResult("", [], [], None, None)
-    parts = []
-    async for out in handle:
-        parts.append(out.text or "")
-        res.tokens += out.token_ids
-        res.logprobs += out.logprobs or []
-        if out.prompt_logprobs is not None:
-            res.prompt_logprobs = out.prompt_logprobs
-        res.finish_reason = out.finish_reason
-    res.text = "".join(parts)
-    return res
 
 
 # -- middleware and app ---------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The OpenAI response side: choices of /v1/completions and /v1/chat/completions, whole
+"""The OpenAI response side: a request's choices (one engine request each) and their
+answers, choices of /v1/completions and /v1/chat/completions, whole
 or as stream deltas, with log-probabilities in each endpoint's own form (vLLM's):
 
 - completions (legacy): {"tokens", "token_logprobs", "top_logprobs": [{text: logprob}],
@@ -8,10 +9,15 @@ or as stream deltas, with log-probabilities in each endpoint's own form (vLLM's)
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
 
+from blockspec.config import SamplingParams
+from blockspec.decoding.handles import RequestHandle, RequestOutput
 from blockspec.decoding.logprobs import TokenLogprob
+from blockspec.serving.protocol import ApiError
 
 FLOOR = -9999.0   # vLLM's stand-in for -inf: JSON has no infinity
 
@@ -92,3 +98,124 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# -- one request's choices ------------------------------------------------------------
+
+@dataclass
+class Choice:
+    """One choice of a request (a prompt x one of its n samples): one engine request."""
+
+    index: int
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    echo: str | None = None        # the prompt's text, returned before the completion (echo)
+    discard: bool = False          # max_tokens=0: the one token the engine generates is not returned
+    handle: RequestHandle | None = None
+
+
+@dataclass
+class Ask:
+    """What an endpoint asks of `Service.generate`: its prompts and how its fields map."""
+
+    prompts: list[list[int]]
+    shape: Shape
+    prompt_param: str                     # the request field errors about the prompt name
+    max_param: str                        # ... and about the token budget
+    requested: int | None                 # the budget asked for (None: the rest of the context)
+    logprobs: int | None = None           # alternatives per emitted token (None: no logprobs)
+    prompt_logprobs: int | None = None    # ... per prompt token (echo)
+    echoes: list[str] | None = None       # each prompt's text, returned before its completion
+    names: dict[str, str] = field(default_factory=dict)   # SamplingParams field -> request field
+
+
+@dataclass
+class Job:
+    """One admitted request."""
+
+    id: str
+    created: int
+    prompt_tokens: int
+    stream: bool
+    include_usage: bool
+    shape: Shape
+    choices: list[Choice]
+    logprobs: bool                 # the response carries log-probabilities
+
+
+@dataclass
+class ChoiceResult:
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None
+    finish_reason: str | None
+
+
+def check_finish(reason: str | None) -> str:
+    """Engine finish reasons a client can see; anything else is the server's failure."""
+    if reason in ("stop", "length"):
+        return reason
+    if reason == "cancelled":
+        raise ApiError(503, "the request was cancelled: the server is shutting down")
+    raise ApiError(500, "the engine failed while generating; see the server log")
+
+
+def choice_piece(job: Job, c: Choice, text: str, tokens: list[int], logprobs: list[TokenLogprob] | None,
+                 prompt_logprobs: list[TokenLogprob | None] | None, first: bool, offset: int = 0
+                 ) -> tuple[str, dict[str, Any] | None, int]:
+    """(text, logprobs in the endpoint's form, tokens counted) of a choice's output or delta:
+    the echoed prompt first (with its logprobs), nothing of a max_tokens=0 completion."""
+    ids: list[int] = []
+    entries: list[TokenLogprob | None] = []
+    if c.discard:
+        text, tokens = "", []
+    if first and c.echo is not None:
+        text = c.echo + text
+        if prompt_logprobs is not None:
+            ids, entries = list(c.prompt), list(prompt_logprobs)
+    if job.logprobs:
+        ids += tokens
+        entries += (logprobs or [])[:len(tokens)]
+    return text, job.shape.logprobs(ids, entries, offset) if job.logprobs else None, len(tokens)
+
+
+async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """The choices' deltas as they arrive, interleaved."""
+    queue: asyncio.Queue[tuple[Choice, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for out in c.handle:
+                queue.put_nowait((c, out))
+        finally:
+            queue.put_nowait((c, None))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        left = len(choices)
+        while left:
+            c, out = await queue.get()
+            if out is None:
+                left -= 1
+            else:
+                yield c, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def collect_output(handle: RequestHandle) -> ChoiceResult:
+    """A request's whole output, from its stream of deltas."""
+    res = ChoiceResult("", [], [], None, None)
+    parts = []
+    async for out in handle:
+        parts.append(out.text or "")
+        res.tokens += out.token_ids
+        res.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            res.prompt_logprobs = out.prompt_logprobs
+        res.finish_reason = out.finish_reason
+    res.text = "".join(parts)
+    return res
