@@ -114,7 +114,7 @@ def test_generation_config_eos_ids_stop_and_sampling_defaults(hf_bf16):
     assert models.target.config.eos_token_id == [0, 7]
     gen = models.generation_defaults
     assert (gen.temperature, gen.top_p, gen.top_k) == (0.6, 0.95, 20)
-    assert gen.unsupported == ("repetition_penalty",)
+    assert gen.unsupported == () and gen.repetition_penalty == 1.05   # a default now, as in vLLM
     params = gen.sampling_params(max_new_tokens=5)
     assert (params.temperature, params.top_p, params.top_k, params.max_new_tokens) == (0.6, 0.95, 20, 5)
     assert gen.sampling_params(temperature=0.0, top_k=None).temperature == 0.0   # the request wins
