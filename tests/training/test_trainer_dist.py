@@ -184,7 +184,7 @@ def test_two_process_run_stopped_and_resumed_equals_one_process(setup, tmp_path,
     torchrun(tmp_path, config(setup, two, fsdp=fsdp, halt_at_step=5, **kw))
     assert checkpointing.latest_step(two / "checkpoints") == 3
     assert sorted(p.name for p in checkpointing.step_dir(two / "checkpoints", 3).glob("rng-rank*")) == [
-        "rng-rank0.pt", "rng-rank1.pt"]
+        "rng-rank0.json", "rng-rank1.json"]
     results = torchrun(tmp_path, config(setup, two, fsdp=fsdp, resume=True, **kw))
     assert [r["steps"] for r in results] == [7, 7]
     assert_same_params(final_params(whole), final_params(two))

@@ -210,11 +210,15 @@ def _start_or_resume(run: Run) -> None:
             f"train: --resume: the checkpoint was trained with {state['examples']} examples in global batches of "
             f"{state['global_batch']}, this run has {len(run.examples)} in batches of {run.batches.global_batch} "
             "(batch_size x grad_accum x processes): the data position would not match")
-    D.load_full_state(run.objective, run.opt, model_sd, optim_sd)
-    run.sched.load_state_dict(dict(state["scheduler"], lr_lambdas=[None]))
+    try:
+        D.load_full_state(run.objective, run.opt, model_sd, optim_sd)
+        run.sched.load_state_dict(dict(state["scheduler"], lr_lambdas=[None]))
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+        raise BlockspecError(f"train: --resume: the checkpoint at step {found} does not fit this draft and optimizer "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     run.step, run.elapsed, run.history = state["step"], state["elapsed"], state["history"]
     if rng is not None:
-        ckpt.set_rng_state(rng)
+        ckpt.set_rng_state(rng, f"the rank-{run.d.rank} RNG state of step {found}")
     _set_lr(run)
 
 
