@@ -5,7 +5,8 @@ tokens), so a prompt is byte-identical to `tokenizer.apply_chat_template(..., to
 
 Checkpoints come from strangers: a template is parsed and checked before it is ever rendered,
 and it is only ever rendered inside transformers' ImmutableSandboxedEnvironment, where any
-dynamic attempt the static check cannot see renders as undefined (empty) and executes nothing.
+dynamic attempt the static check cannot see renders as undefined (empty) and executes nothing,
+in a worker process with a deadline and memory and output caps (template_sandbox.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jinja2.sandbox
 
 from blockspec.config import read_json
 from blockspec.errors import BlockspecError
+from blockspec.models.template_sandbox import MAX_CHARS, WORKERS
 
 TEMPLATE_FILE = "chat_template.jinja"          # where transformers >= 4.50 saves the default template
 TEMPLATE_DIR = "additional_chat_templates"     # ... and named extra templates (<name>.jinja)
@@ -159,16 +161,12 @@ def has_generation_blocks(template: str) -> bool:
 def render_with_spans(template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                       special_tokens: dict[str, str], tools: list[dict[str, Any]] | None = None,
                       documents: list[dict[str, Any]] | None = None, assistant_spans: bool = True,
+                      where: str = "inline", max_chars: int = MAX_CHARS,
                       **kwargs: Any) -> tuple[str, list[tuple[int, int]]]:
     """`render`, plus the character spans [start, end) of the template's `{% generation %}` blocks
-    (transformers' `return_assistant_tokens_mask`); no spans when the template has none."""
-    # Imported here, not at module top: transformers takes about a second to import and only chat
-    # prompts need it; it is a core dependency (pyproject.toml), so missing means a broken install.
-    try:
-        from transformers.utils.chat_template_utils import render_jinja_template
-    except ImportError as exc:
-        raise BlockspecError(f"chat templates are rendered by transformers, which cannot be imported ({exc}); "
-                             "pip install 'transformers>=4.51'") from None
+    (transformers' `return_assistant_tokens_mask`); no spans when the template has none. The
+    render is bounded (template_sandbox.py): a deadline, a memory cap, at most `max_chars`
+    characters; any failure is a BlockspecError naming `where` (the template's source)."""
     if not isinstance(messages, list) or not messages:
         raise BlockspecError("a chat needs a non-empty list of messages")
     for m in messages:
@@ -176,19 +174,11 @@ def render_with_spans(template: str, messages: list[dict[str, Any]], *, add_gene
             raise BlockspecError("each chat message must be an object with a string 'role'")
     # As apply_chat_template: keys whose value is None are dropped (templates test for presence).
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
-    template_kwargs = {**special_tokens, **kwargs}
-    try:
-        rendered, spans = render_jinja_template(conversations=[chat], tools=tools, documents=documents,
-                                                chat_template=template, add_generation_prompt=add_generation_prompt,
-                                                return_assistant_tokens_mask=assistant_spans and has_generation_blocks(template),
-                                                **template_kwargs)
-    except jinja2.exceptions.SecurityError as exc:
-        raise BlockspecError(f"chat template refused by the sandbox: {exc}") from None
-    except jinja2.TemplateError as exc:  # raise_exception(...) in the template, undefined values, ...
-        raise BlockspecError(f"chat template failed: {exc}") from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        raise BlockspecError(f"chat template failed: {type(exc).__name__}: {exc}") from None
-    return rendered[0], [(int(a), int(b)) for a, b in spans[0]] if spans else []
+    reply = WORKERS.render({"template": template, "messages": chat, "tools": tools, "documents": documents,
+                            "add_generation_prompt": add_generation_prompt, "max_chars": max_chars,
+                            "spans": assistant_spans and has_generation_blocks(template),
+                            "kwargs": {**special_tokens, **kwargs}}, where)
+    return reply["text"], [(a, b) for a, b in reply["spans"]]
 
 
 def _read_text(path: Path) -> str:

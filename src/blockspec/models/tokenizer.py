@@ -70,8 +70,10 @@ class Tokenizer:
         self.config = read_json(cfg_path, "tokenizer config") if cfg_path.is_file() else {}
         self.special_tokens = _special_tokens(directory, self.config)
         self.chat_templates = templates.load_templates(directory, self.config)
+        self.template_source = str(directory)   # names the template in render errors
         if chat_template is not None:
             self.chat_templates = {"default": templates.resolve_override(chat_template, self.chat_templates)}
+            self.template_source = f"--chat-template {str(chat_template)[:80]!r}"
         self.eos_token_id = self._token_id("eos_token")
         self.bos_token_id = self._token_id("bos_token")
         self.pad_token_id = self._token_id("pad_token")
@@ -107,13 +109,16 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                             tools: list[dict[str, Any]] | None = None,
-                            documents: list[dict[str, Any]] | None = None, **kwargs: Any) -> RenderedChat:
+                            documents: list[dict[str, Any]] | None = None, max_chars: int = templates.MAX_CHARS,
+                            **kwargs: Any) -> RenderedChat:
         """The prompt text, byte-identical to transformers' `apply_chat_template(messages, tokenize=False,
-        add_generation_prompt=...)`; extra keyword arguments reach the template (e.g. enable_thinking)."""
+        add_generation_prompt=...)`; extra keyword arguments reach the template (e.g. enable_thinking).
+        A render past its deadline, memory or `max_chars` is a BlockspecError (template_sandbox.py)."""
         template = templates.pick(self.chat_templates, tools)
         return RenderedChat(templates.render(template, messages, add_generation_prompt=add_generation_prompt,
                                              special_tokens=self.special_tokens, tools=tools,
-                                             documents=documents, **kwargs))
+                                             documents=documents, where=self.template_source,
+                                             max_chars=max_chars, **kwargs))
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:

@@ -37,12 +37,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from blockspec.config import GenerationDefaults
 from blockspec.decoding.engine import Engine
 from blockspec.errors import BlockspecError
+from blockspec.models.template_sandbox import WORKERS as TEMPLATE_WORKERS
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.serving.lifecycle import Admission, AdmissionGate, shutting_down
 from blockspec.serving.metrics import CONTENT_TYPE, exposition, metrics_registry
 from blockspec.serving.protocol import (CLIENT_CLOSED, ENDPOINTS, MAX_CHOICES, ApiError, ChatRequest,
                                         CompletionRequest, SamplingFields, ServerLimits, short_repr, chat_prompt,
-                                        completion_prompts, parse_request, prompt_byte_limit, read_body,
+                                        chat_text, completion_prompts, parse_request, prompt_byte_limit, read_body,
                                         sampling_params, token_budget)
 from blockspec.serving.endpoints import add_operational_routes
 from blockspec.serving.responses import (Ask, ChatShape, Choice, CompletionShape, Job, check_finish, choice_piece,
@@ -85,9 +86,12 @@ class Service:
         # Half the cores at most: huge prompts queue here rather than take every core from
         # the event loop and the engine (the tokenizer releases the GIL but uses the CPU).
         self.cpu = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="blockspec-cpu")
+        # Chat renders wait on a template worker process (bounded by its deadline): in threads of
+        # their own, one per worker, so a slow template never holds the parsing pool.
+        self.renders = ThreadPoolExecutor(TEMPLATE_WORKERS.size, thread_name_prefix="blockspec-render")
 
-    async def off_loop(self, fn: Callable[[bytes], Any], body: bytes) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, body)
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, pool: ThreadPoolExecutor | None = None) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool or self.cpu, fn, *args)
 
     # CPU work of a request (JSON validation, chat rendering, tokenization): in a worker
     # thread, so a huge prompt never stalls the event loop (/health, other streams).
@@ -101,9 +105,22 @@ class Service:
             echoes = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(given, prompts)]
         return req, prompts, echoes
 
-    def chat_input(self, body: bytes) -> tuple[ChatRequest, list[int]]:
-        req = parse_request(ChatRequest, body)
-        return req, chat_prompt(req, self.tokenizer, self.max_prompt_bytes)
+    async def chat_input(self, body: bytes) -> tuple[ChatRequest, list[int]]:
+        req = await self.off_loop(parse_request, ChatRequest, body)
+        try:
+            text = await self.off_loop(chat_text, req, self.tokenizer, self.max_prompt_bytes,
+                                       pool=self.renders)
+        except ApiError:
+            if self.admission.draining:   # the drain stopped the render
+                raise shutting_down() from None
+            raise
+        return req, await self.off_loop(chat_prompt, text, self.tokenizer)
+
+    def close(self) -> None:
+        """Stop the pools without waiting: a render in flight is killed with its worker."""
+        TEMPLATE_WORKERS.close()
+        for pool in (self.cpu, self.renders):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     async def completions(self, request: Request) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
@@ -114,7 +131,7 @@ class Service:
 
     async def chat(self, request: Request) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
-        req, prompt = await self.off_loop(self.chat_input, body)
+        req, prompt = await self.chat_input(body)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -320,7 +337,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: s
             if stats is not None:
                 stats.cancel()
             await asyncio.to_thread(engine.shutdown, drain=False, timeout=60)
-            service.cpu.shutdown(wait=False, cancel_futures=True)
+            service.close()
 
     app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.router.redirect_slashes = False  # a JSON API answers 404, not a redirect

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from blockspec import __version__
 from blockspec.serving.protocol import (ApiError, ChatTemplateFields, _Strict, check_prompt_bytes, parse_request,
-                                        read_body, render_chat, short_repr)
+                                        read_body, chat_text, short_repr)
 
 
 class TokenizeText(_Strict):
@@ -59,7 +59,7 @@ def add_operational_routes(app: FastAPI, service: Any, model_card: Callable[[], 
         chat = isinstance(raw, dict) and "messages" in raw
         req = parse_request(TokenizeChat if chat else TokenizeText, body)
         check_model(req.model)
-        text = render_chat(req, tokenizer) if chat else req.prompt
+        text = chat_text(req, tokenizer, service.max_prompt_bytes) if chat else req.prompt
         ids = tokenizer.encode(check_prompt_bytes(text, service.max_prompt_bytes, "messages" if chat else "prompt"),
                                add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,

@@ -7,6 +7,8 @@ On SIGTERM / SIGINT the server calls `Admission.drain` BEFORE it closes its list
 3. what is left is cancelled in the engine: every stream then ends in-band with an
    error event and `data: [DONE]`, every non-streamed request with a 503 JSON body;
 4. the server closes its listener and connections only once those responses are written.
+A request counts from when its body is complete: clients still sending one are closed by the
+server at shutdown (runner.py), never waited for.
 Nothing is cancelled under a running response, so no stream is cut mid-chunk and no
 traceback is logged (uvicorn's own timeout would cancel the tasks: see runner.py).
 """
@@ -20,6 +22,7 @@ from typing import Any, Callable
 
 from blockspec.decoding.engine import Engine
 from blockspec.errors import BlockspecError
+from blockspec.models.template_sandbox import WORKERS as TEMPLATE_WORKERS
 from blockspec.serving.protocol import ApiError
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class Admission:
             return
         log.warning("%d request(s) still running after the %.1f s drain timeout: ending them with 503",
                     self.active, timeout)
+        TEMPLATE_WORKERS.close()   # a chat still rendering ends now (-> 503)
         try:  # cancelling in the engine ends each request's handle with "cancelled" -> 503 in-band
             await asyncio.to_thread(self.engine.shutdown, drain=False, timeout=60)
         except BlockspecError as exc:
@@ -69,8 +73,9 @@ class Admission:
 
 
 class AdmissionGate:
-    """Pure ASGI middleware: counts generation requests from their first byte to their
-    last, and answers 503 to new ones once draining."""
+    """Pure ASGI middleware: counts generation requests from the end of their body to their
+    last byte out, and answers 503 to new ones once draining. A client still sending its body
+    is not counted: the drain never waits on it (the server closes it, runner.py)."""
 
     def __init__(self, app: Any, admission: Admission) -> None:
         self.app, self.admission = app, admission
@@ -80,8 +85,18 @@ class AdmissionGate:
             return await self.app(scope, receive, send)
         if self.admission.draining:
             return await shutting_down().response()(scope, receive, send)
-        self.admission.active += 1
+        counted = False
+
+        async def receive_counted() -> dict[str, Any]:
+            nonlocal counted
+            message = await receive()
+            if not counted and message["type"] == "http.request" and not message.get("more_body", False):
+                counted = True
+                self.admission.active += 1
+            return message
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive_counted, send)
         finally:
-            self.admission.active -= 1
+            if counted:
+                self.admission.active -= 1

@@ -316,8 +316,10 @@ def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]], to
             for p in many]
 
 
-def render_chat(req: ChatTemplateFields, tokenizer: Tokenizer) -> str:
-    """The chat as the template renders it, with the request's template options."""
+def chat_text(req: ChatTemplateFields, tokenizer: Tokenizer, max_bytes: int) -> str:
+    """The chat as the template renders it, with the request's template options, in a bounded
+    template worker (a slow or huge template is a 400 naming it); a rendering over `max_bytes`
+    is refused before it is tokenized."""
     if req.continue_final_message and req.add_generation_prompt:
         raise ApiError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
                        "continue_final_message")
@@ -330,7 +332,8 @@ def render_chat(req: ChatTemplateFields, tokenizer: Tokenizer) -> str:
              for m in req.messages]
     add_generation = not req.continue_final_message if req.add_generation_prompt is None else req.add_generation_prompt
     try:
-        text = tokenizer.apply_chat_template(plain, add_generation, **(req.chat_template_kwargs or {}))
+        text = tokenizer.apply_chat_template(plain, add_generation, max_chars=max_bytes,   # characters <= UTF-8 bytes
+                                             **(req.chat_template_kwargs or {}))
     except BlockspecError as exc:
         raise ApiError(400, str(exc), "messages") from None
     except TypeError as exc:   # a template variable given twice
@@ -342,11 +345,10 @@ def render_chat(req: ChatTemplateFields, tokenizer: Tokenizer) -> str:
             raise ApiError(400, "'continue_final_message': the final message's content is empty or not in the "
                                 "rendered chat", "continue_final_message")
         text = type(text)(text[:at + len(final)])
-    return text
+    return check_prompt_bytes(text, max_bytes, "messages")
 
 
-def chat_prompt(req: ChatTemplateFields, tokenizer: Tokenizer, max_bytes: int) -> list[int]:
-    """Token ids of the rendered chat; a rendering over `max_bytes` is refused untokenized."""
-    text = render_chat(req, tokenizer)
-    # The template wrote the special tokens (BOS): encoded without adding any, as transformers does.
-    return tokenizer.encode(check_prompt_bytes(text, max_bytes, "messages"), add_special_tokens=False)
+def chat_prompt(text: str, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of a rendered chat: the template wrote the special tokens (BOS), so it is
+    encoded without adding any, as transformers does."""
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -233,7 +233,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     log.info("model %r: method %s, %d KV slots of %d positions", name, engine.method, engine.rows,
              engine.max_model_len)
     run_server(app, args.host, args.port, args.drain_timeout, args.log_level,
-               timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout)
+               timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
+               body_timeout=args.body_timeout)
 
 
 # -- flags ----------------------------------------------------------------------------------------
@@ -288,6 +289,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-keep-alive", type=float, default=5.0, help="close idle keep-alive connections after")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="close connections whose request headers are not complete after this many seconds")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="answer 408 and close when a request body is not complete after this many seconds "
+                        "(unless it still arrives at 16 KiB/s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g = p.add_argument_group("SGLang / vLLM aliases")
     g.add_argument("--model", default=None, help="= --target (vLLM)")
