@@ -88,18 +88,23 @@ def read_rows(path: Path, limit: int | None = None) -> list[Row]:
     used carries its error (reported as failed; the others still run)."""
     if not path.is_file():
         raise BlockspecError(f"regenerate: {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise BlockspecError(f"regenerate: {path}:{line} is not UTF-8 text (byte {exc.start})") from None
     if text.lstrip().startswith("["):
         try:
-            lines = [json.dumps(r) for r in json.loads(text)]
-        except json.JSONDecodeError as exc:
-            raise BlockspecError(f"regenerate: {path} is not a valid JSON array ({exc})") from None
+            lines = [(n, json.dumps(r)) for n, r in enumerate(json.loads(text), 1)]
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise BlockspecError(f"regenerate: {path} is not a valid JSON array ({type(exc).__name__}: {exc})") from None
     else:
-        lines = [line for line in text.splitlines() if line.strip()]
+        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     rows = []
-    for index, line in enumerate(lines[:limit] if limit else lines):
+    for index, (n, line) in enumerate(lines[:limit] if limit else lines):
         key = hashlib.sha256(line.strip().encode()).hexdigest()[:16]
-        where = f"{path} row {index}"
+        where = f"{path}:{n} (row {index})"
         try:
             raw = json.loads(line)
             messages = chat_messages(raw, where)
@@ -110,7 +115,9 @@ def read_rows(path: Path, limit: int | None = None) -> list[Row]:
                 messages = [{"role": "user", "content": prompt}]
             rows.append(Row(index, key, raw.get("id"), messages))
         except json.JSONDecodeError as exc:
-            rows.append(Row(index, key, None, None, f"not valid JSON ({exc})"))
+            rows.append(Row(index, key, None, None, f"{where}: not valid JSON ({exc})"))
+        except RecursionError:
+            rows.append(Row(index, key, None, None, f"{where}: JSON nested too deeply"))
         except BlockspecError as exc:
             rows.append(Row(index, key, None, None, str(exc)))
     return rows
@@ -166,7 +173,10 @@ class Client:
         if self.cfg.model:
             return self.cfg.model
         body = await self.call("GET", "/v1/models", None)
-        names = [m.get("id") for m in body.get("data", []) if isinstance(m, dict)]
+        listed = body.get("data")
+        if not isinstance(listed, list):
+            raise RowError(f"GET /v1/models answered without a 'data' list: {json.dumps(body)[:200]}")
+        names = [m.get("id") for m in listed if isinstance(m, dict)]
         if len(names) != 1:
             raise RowError(f"the server lists models {names}; pass --model NAME")
         return names[0]
@@ -177,16 +187,22 @@ class Client:
             if attempt:
                 await asyncio.sleep(delay)
                 delay = min(30.0, delay * 2)
-            try:
-                resp = await self.http.request(method, path, json=payload)
+            try:   # the whole request, not each read: a server trickling bytes is cut off too
+                resp = await asyncio.wait_for(self.http.request(method, path, json=payload), self.cfg.timeout_s)
             except self.httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc or 'no response'}"
                 continue
+            except asyncio.TimeoutError:
+                last = f"no complete response in {self.cfg.timeout_s:g} s (--request-timeout)"
+                continue
             if resp.status_code == 200:
                 try:
-                    return resp.json()
-                except ValueError:
+                    body = resp.json()
+                except (ValueError, RecursionError):
                     raise RowError(f"HTTP 200 with a body that is not JSON: {resp.text[:200]!r}") from None
+                if not isinstance(body, dict):
+                    raise RowError(f"HTTP 200 with a JSON body that is not an object: {resp.text[:200]!r}")
+                return body
             last = f"HTTP {resp.status_code}: {_error_message(resp)}"
             if resp.status_code not in RETRY_STATUS:
                 raise RowError(last)   # the server rejects this request: retrying cannot help
@@ -200,18 +216,39 @@ class Client:
                    "temperature": self.cfg.temperature, "seed": seed,
                    "messages": [{k: v for k, v in m.items() if k != "train"} for m in messages]}
         body = await self.call("POST", "/v1/chat/completions", payload)
-        try:
-            choice = body["choices"][0]
-            message = choice["message"]
-        except (KeyError, IndexError, TypeError):
-            raise RowError(f"the response has no choices[0].message: {json.dumps(body)[:200]}") from None
-        answer = {"role": "assistant", "content": message.get("content") or ""}
-        reasoning = message.get("reasoning_content") or message.get("reasoning")
-        if isinstance(reasoning, str) and reasoning:   # vLLM / SGLang reasoning parsers split it off
-            answer["reasoning_content"] = reasoning
-        if message.get("tool_calls"):
-            answer["tool_calls"] = message["tool_calls"]
-        return answer, str(choice.get("finish_reason"))
+        return answer_of(body)
+
+
+def answer_of(body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """(the assistant message to write, the finish reason) of a chat completion, its shape
+    checked: a response that is not one is the row's failure, never a written row."""
+    def bad(what: str) -> RowError:
+        return RowError(f"the response {what}: {json.dumps(body)[:200]}")
+
+    choices = body.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise bad("has no choices[0].message object")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise bad("has a message content that is not a string")
+    answer = {"role": "assistant", "content": content or ""}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise bad("has reasoning that is not a string")
+    if reasoning:   # vLLM / SGLang reasoning parsers split it off
+        answer["reasoning_content"] = reasoning
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+        raise bad("has tool_calls that are not a list of {function: {...}} objects")
+    if calls:
+        answer["tool_calls"] = calls
+    finish = choice.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise bad("has a finish_reason that is not a string")
+    return answer, str(finish)
 
 
 def _error_message(resp: Any) -> str:
