@@ -36,7 +36,7 @@ class EngineCompatibilityWarning(UserWarning):
 
 @functools.cache
 def engine_table() -> dict[str, Any]:
-    return read_json(TABLE_PATH, "engine table")
+    return read_json(TABLE_PATH, "engine table", in_checkpoint=False)
 
 
 def engine_source(engine: str) -> str:

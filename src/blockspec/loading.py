@@ -80,6 +80,7 @@ def load_models(target: str | Path | None = None, draft: str | Path | None = Non
     target_dir = Path(target) if target else embedded.default_target()
     target_model = load_target(target_dir, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite)
     tokenizer = Tokenizer(target_dir, chat_template=chat_template)  # refuses a bad or hostile chat template
+    tokenizer.check_fits(target_model.config.vocab_size)
     draft_model = None
     if method != "ar":
         kind = draft_kind(method)

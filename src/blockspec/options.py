@@ -116,7 +116,7 @@ def dataclass_from_args(cls: type, args: argparse.Namespace, config_file: str | 
     """Defaults < JSON config file < flags given on the command line."""
     values: dict[str, Any] = {}
     if config_file:
-        data = read_json(Path(config_file), "config file")
+        data = read_json(Path(config_file), "config file", in_checkpoint=False)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names
         if unknown:

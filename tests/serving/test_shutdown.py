@@ -89,3 +89,26 @@ def _running(url: str) -> float:
     page = httpx.get(f"{url}/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
                if line.startswith(("blockspec_num_requests_running ", "blockspec_num_requests_waiting ")))
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_exits_at_once_without_a_traceback(target_dir):
+    """SIGINT twice: the drain is skipped, the app's own shutdown still runs (it was cancelled
+    mid-wait, printing a CancelledError traceback), and the process exits 0."""
+    proc, url = start(target_dir, drain=30.0)
+    try:
+        with httpx.Client(timeout=120) as http:
+            streams = [http.stream("POST", f"{url}/v1/completions", json={**BODY, "stream": True})
+                       for _ in range(2)]
+            lines = [s.__enter__().iter_lines() for s in streams]
+            for it in lines:
+                next(it)
+            proc.send_signal(signal.SIGINT)
+            wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, timeout=10)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, err = proc.communicate()
+    assert "Traceback" not in err and "CancelledError" not in err, err[-3000:]

@@ -271,6 +271,7 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
     target = load_target(Path(target_dir), dtype=dtype, device=dev)
     loaded = load_drafts(target, drafts, method_list, dtype, dev)
     tokenizer = Tokenizer(Path(target_dir))
+    tokenizer.check_fits(target.config.vocab_size)
     sets = _encode_sets(datasets, tokenizer, limit, target, max_new_tokens, notes, every)
     max_model_len = max(len(ids) for _, prompt_ids in sets.values() for ids in prompt_ids) + max_new_tokens
     setup = BenchSetup(Path(target_dir), target, loaded, method_list, list(block_sizes) if block_sizes else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,61 @@ METHODS = ("ar", *DRAFT_METHODS)
 RULES = ("rejection", "match")
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """Read a JSON object from `path`, raising BlockspecError naming `what` on any failure."""
+# The most a checkpoint's side file (config, tokenizer config, template, ...) may hold: real
+# ones are kilobytes (a tokenizer_config.json with a long template: a few MB).
+MAX_SIDE_FILE_BYTES = 64 << 20
+
+
+def allowed_roots(directory: Path) -> list[Path]:
+    """Where the files of a checkpoint may live: inside its directory, and for a Hugging Face
+    hub cache snapshot (`.../snapshots/<rev>/` whose files are symlinks to `../../blobs/`)
+    inside that repository's `blobs` folder."""
+    root = directory.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def resolve_inside(directory: Path, path: Path, what: str) -> Path:
+    """The real path of `path` if it stays inside the checkpoint `directory` (links into the
+    hub cache's blobs allowed); else, or on a link loop, a BlockspecError naming it."""
+    try:
+        real = path.resolve()
+        roots = allowed_roots(directory)
+    except (OSError, RuntimeError) as exc:   # a symlink loop (RuntimeError before Python 3.13)
+        raise BlockspecError(f"{what}: cannot resolve {path}: {exc}") from None
+    if not any(real == r or r in real.parents for r in roots):
+        raise BlockspecError(f"{what}: {path.name!r} is a link to {real}, outside the checkpoint directory; "
+                             "refusing to read it")
+    return real
+
+
+def side_file(path: Path, what: str, max_bytes: int = MAX_SIDE_FILE_BYTES) -> Path:
+    """`path`, a file of a checkpoint, checked: inside its directory and at most `max_bytes`."""
+    path = Path(path)
+    resolve_inside(path.parent, path, what)
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise BlockspecError(f"{what}: {path} is {size} bytes, over the {max_bytes}-byte limit for this file; "
+                             "the checkpoint is corrupt")
+    return path
+
+
+def read_json(path: Path, what: str, in_checkpoint: bool = True) -> dict[str, Any]:
+    """Read a JSON object from `path`, raising BlockspecError naming `what` on any failure;
+    `in_checkpoint`: the file belongs to a checkpoint directory (`side_file`'s checks)."""
     path = Path(path)
     if not path.is_file():
         raise BlockspecError(f"{what}: {path} does not exist")
+    if in_checkpoint:
+        side_file(path, what)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BlockspecError(f"{what}: {path} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise BlockspecError(f"{what}: {path} is nested too deeply to be a config") from None
     if not isinstance(data, dict):
         raise BlockspecError(f"{what}: {path} must hold a JSON object")
     return data
@@ -52,6 +99,12 @@ def positive_int(name: str, value: Any, where: str) -> int:
     require(limit is None or value <= limit,
              f"{where}: '{name}' = {value} is absurd (the limit is {limit}); the config is corrupt")
     return value
+
+
+def positive_float(name: str, value: Any, where: str) -> float:
+    require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
+             f"{where}: '{name}' must be a positive finite number, got {value!r}")
+    return float(value)
 
 
 def check_model_type(model_type: Any, where: str) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockspec.config.common import positive_int, read_json, require
+from blockspec.config.common import positive_float, positive_int, read_json, require
 from blockspec.config.eagle3 import EAGLE3_ARCHITECTURES
 from blockspec.config.rope import RopeConfig
 from blockspec.config.target import TargetConfig
@@ -85,6 +85,7 @@ class DraftConfig:
             positive_int(name, getattr(self, name), where)
         require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
+        object.__setattr__(self, "rms_norm_eps", positive_float("rms_norm_eps", self.rms_norm_eps, where))
         require(isinstance(self.target_layer_ids, list) and 0 < len(self.target_layer_ids) <= self.num_target_layers
                  and all(isinstance(i, int) and 0 <= i < self.num_target_layers for i in self.target_layer_ids),
                  f"{where}: target_layer_ids {self.target_layer_ids!r} must name layers 0..{self.num_target_layers - 1}")
@@ -152,6 +153,9 @@ class DraftConfig:
         require(mask_id is not None, f"{where}: no mask_token_id (expected in dflash_config)")
         layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
         require(layer_ids is not None, f"{where}: no target_layer_ids (expected in dflash_config)")
+        require(isinstance(layer_ids, list) and layer_ids and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layer_ids),
+            f"{where}: target_layer_ids must be a non-empty list of layer indices, got {layer_ids!r}")
         block = raw.get("block_size", dflash.get("block_size"))
         require(block is not None, f"{where}: no block_size")
         mask_token = dflash.get("mask_token", raw.get("mask_token"))
@@ -182,7 +186,7 @@ class DraftConfig:
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
             max_position_embeddings=raw.get("max_position_embeddings", 40960),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=RopeConfig.from_hf(raw, where),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope=RopeConfig.from_hf(raw, where),
             markov_rank=dspark["markov_rank"] or 0, markov_head_type=dspark["markov_head_type"] or "vanilla",
             enable_confidence_head=bool(dspark["enable_confidence_head"] or False),
             confidence_head_with_markov=bool(True if dspark["confidence_head_with_markov"] is None

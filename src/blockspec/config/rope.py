@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import InitVar, dataclass
 from typing import Any
 
@@ -41,6 +42,11 @@ class RopeConfig:
                  f"{where}: rope type '{self.rope_type}' is not supported "
                  f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         require(isinstance(self.theta, (int, float)) and self.theta > 0, f"{where}: rope_theta must be > 0")
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast",
+                     "beta_slow", "mscale", "mscale_all_dim"):
+            value = getattr(self, name)   # JSON's Infinity / NaN / 1e999 parse as floats
+            require(value is None or (isinstance(value, (int, float)) and math.isfinite(value)),
+                     f"{where}: rope {name} must be a finite number, got {value!r}")
         object.__setattr__(self, "theta", float(self.theta))
         if self.rope_type != "default":
             require(isinstance(self.factor, (int, float)) and self.factor > 0,
@@ -59,7 +65,11 @@ class RopeConfig:
             require(self.max_position_embeddings is not None,
                      f"{where}: longrope needs max_position_embeddings")
             for name in ("short_factor", "long_factor"):
-                object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
+                values = getattr(self, name)
+                require(isinstance(values, (list, tuple)) and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in values),
+                    f"{where}: longrope {name} must be a list of finite numbers")
+                object.__setattr__(self, name, tuple(float(x) for x in values))
 
     @property
     def length_dependent(self) -> bool:
@@ -128,8 +138,7 @@ class RopeConfig:
 
         return cls(
             theta=theta, rope_type=rope_type, factor=float(factor),
-            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            low_freq_factor=number("low_freq_factor", 1.0), high_freq_factor=number("high_freq_factor", 4.0),
             # only the types that read them carry the lengths (others keep the defaults, so a
             # config equals its round trip)
             original_max_position_embeddings=int(original) if rope_type in ("llama3", "yarn", "longrope") else 8192,

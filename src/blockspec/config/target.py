@@ -7,7 +7,7 @@ from dataclasses import InitVar, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from blockspec.config.common import check_model_type, positive_int, read_json, require
+from blockspec.config.common import check_model_type, positive_float, positive_int, read_json, require
 from blockspec.config.rope import RopeConfig
 
 def _sliding_window(raw: dict[str, Any], model_type: str, where: str) -> tuple[int | None, tuple[int, ...]]:
@@ -76,6 +76,7 @@ class TargetConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings"):
             positive_int(name, getattr(self, name), where)
+        object.__setattr__(self, "rms_norm_eps", positive_float("rms_norm_eps", self.rms_norm_eps, where))
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
         require(heads % kv_heads == 0,
                  f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
@@ -123,7 +124,7 @@ class TargetConfig:
             intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=RopeConfig.from_hf(raw, where),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope=RopeConfig.from_hf(raw, where),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=model_type == "qwen3",
             bos_token_id=raw.get("bos_token_id"), eos_token_id=eos_list,

@@ -246,7 +246,7 @@ class CostTable:
 
     @classmethod
     def load(cls, path: str | Path) -> "CostTable":
-        return cls.from_dict(read_json(Path(path), "cost table"), where=str(path))
+        return cls.from_dict(read_json(Path(path), "cost table", in_checkpoint=False), where=str(path))
 
 
 

@@ -21,11 +21,13 @@ import jinja2.nodes
 import jinja2.sandbox
 
 from blockspec.config import read_json
+from blockspec.config.common import resolve_inside, side_file
 from blockspec.errors import BlockspecError
 from blockspec.models.template_sandbox import MAX_CHARS, WORKERS
 
 TEMPLATE_FILE = "chat_template.jinja"          # where transformers >= 4.50 saves the default template
 TEMPLATE_DIR = "additional_chat_templates"     # ... and named extra templates (<name>.jinja)
+MAX_TEMPLATE_BYTES = 4 << 20                   # real templates are a few kilobytes
 
 # Attributes that only lead to interpreter internals (frames, code objects, globals); jinja's
 # sandbox hides them at run time, but a template naming one is hostile and refused outright.
@@ -85,10 +87,12 @@ def load_templates(directory: Path, tokenizer_config: dict[str, Any]) -> dict[st
     {"name", "template"}). The unnamed template is "default". Every template is checked."""
     templates: dict[str, str] = {}
     if (directory / TEMPLATE_FILE).is_file():
-        templates["default"] = _read_text(directory / TEMPLATE_FILE)
+        templates["default"] = _read_text(side_file(directory / TEMPLATE_FILE, "chat template", MAX_TEMPLATE_BYTES))
     if (directory / TEMPLATE_DIR).is_dir():
+        resolve_inside(directory, directory / TEMPLATE_DIR, "chat template")
         for path in sorted((directory / TEMPLATE_DIR).glob("*.jinja")):
-            templates[path.name.removesuffix(".jinja")] = _read_text(path)
+            templates[path.name.removesuffix(".jinja")] = _read_text(side_file(path, "chat template",
+                                                                               MAX_TEMPLATE_BYTES))
     if not templates:
         value = tokenizer_config.get("chat_template")
         if isinstance(value, str):

@@ -15,12 +15,15 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from blockspec.config import read_json
+from blockspec.config.common import side_file
 from blockspec.errors import BlockspecError
 from blockspec.models import chat_template as templates
 
 # transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES): the template sees each as a variable.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
+
+MAX_TOKENIZER_BYTES = 512 << 20   # the largest real tokenizer.json files are tens of MB
 
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "<|endoftext|>", ...} (AddedToken) form
@@ -62,6 +65,8 @@ class Tokenizer:
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise BlockspecError(f"tokenizer: {path} does not exist")
+        side_file(path, "tokenizer", MAX_TOKENIZER_BYTES)
+        self.directory = directory
         try:
             self.backend = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the Rust library raises its own exception type
@@ -91,6 +96,15 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size()
+
+    def check_fits(self, model_vocab_size: int) -> None:
+        """Refuse a tokenizer that can produce ids the model has no embedding for (checked at
+        load, so a prompt never fails later with an error blaming the client)."""
+        top = max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+        if top >= model_vocab_size:
+            raise BlockspecError(f"tokenizer: {self.directory}/tokenizer.json has token ids up to {top}, but the "
+                                 f"model's vocabulary holds {model_vocab_size} (ids 0..{model_vocab_size - 1}): "
+                                 "the tokenizer does not belong to this model")
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of `text`. By default special tokens are added as the tokenizer's own

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from blockspec.config import read_json
+from blockspec.config.common import resolve_inside
 from blockspec.errors import BlockspecError
 
 # safetensors dtype names: floating types a model can hold, and every other type's byte size.
@@ -52,17 +53,6 @@ class TensorHeader:
         return FLOAT_DTYPES.get(self.dtype)
 
 
-def _allowed_roots(directory: Path) -> list[Path]:
-    """Where the files of a checkpoint may live: inside its directory, and for a Hugging Face
-    hub cache snapshot (`.../snapshots/<rev>/` whose files are symlinks to `../../blobs/`)
-    inside that repository's `blobs` folder."""
-    root = directory.resolve()
-    roots = [root]
-    if root.parent.name == "snapshots":
-        roots.append(root.parent.parent / "blobs")
-    return roots
-
-
 def safe_member(directory: Path, name: object, what: str) -> Path:
     """`directory / name` if it stays inside the checkpoint (no absolute path, no `..`,
     no symlink out of it); else BlockspecError naming the entry."""
@@ -71,10 +61,7 @@ def safe_member(directory: Path, name: object, what: str) -> Path:
     if Path(name).is_absolute() or ".." in Path(name).parts:
         raise BlockspecError(f"{what}: shard path {name!r} leaves the checkpoint directory; refusing to read it")
     path = directory / name
-    real = path.resolve()
-    if not any(real == r or r in real.parents for r in _allowed_roots(directory)):
-        raise BlockspecError(f"{what}: shard {name!r} is a link to {real}, outside the checkpoint directory; "
-                             "refusing to read it")
+    resolve_inside(directory, path, f"{what}: shard")
     return path
 
 

@@ -33,6 +33,7 @@ from blockspec.errors import BlockspecError
 log = logging.getLogger(__name__)
 
 CLOSE_GRACE_S = 5.0   # after the drain: uvicorn's wait for connections to finish writing
+FORCED_GRACE_S = 2.0   # after a second Ctrl-C: the most the last responses may take
 MAX_HEAD_BYTES = 16 * 1024
 MIN_BODY_RATE = 16 * 1024   # bytes/s a body still arriving after `body_timeout` must average
 Drain = Callable[[float, Callable[[], bool]], Awaitable[None]]
@@ -165,6 +166,15 @@ class DrainingServer(uvicorn.Server):
         if self.drain is not None:
             await self.drain(self.drain_timeout, lambda: self.force_exit)
         await super().shutdown(sockets=sockets)
+        if self.force_exit:
+            # A second Ctrl-C: uvicorn skips the app's shutdown (engine stop, template workers),
+            # and asyncio.run would then cancel it mid-wait, printing a CancelledError traceback.
+            # The drain has already ended every request, so both finish at once.
+            for connection in list(self.server_state.connections):
+                connection.transport.close()
+            await self.lifespan.shutdown()
+            if self.server_state.tasks:
+                await asyncio.wait(list(self.server_state.tasks), timeout=FORCED_GRACE_S)
 
 
 def server_for(app: Any, host: str, port: int, drain_timeout: float, log_level: str = "info",

@@ -83,15 +83,22 @@ def _row_text(row: Any, tokenizer: Tokenizer | None, where: str) -> str:
 
 def jsonl_rows(path: Path, what: str) -> Iterator[tuple[int, Any, str]]:
     """(line number, parsed row, "what: path:line") for every non-blank line of a JSONL file."""
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
             where = f"{what}: {path}:{n}"
             try:
-                yield n, json.loads(line), where
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise BlockspecError(f"{where} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise BlockspecError(f"{where} is not valid JSON ({exc})") from None
+            except RecursionError:
+                raise BlockspecError(f"{where} is nested too deeply") from None
+            yield n, row, where
 
 
 def read_prompt_jsonl(path: Path, tokenizer: Tokenizer | None = None) -> list[tuple[str, str]]:

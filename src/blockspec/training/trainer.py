@@ -169,6 +169,7 @@ def setup(cfg: TrainConfig) -> Run:
         torch.backends.cudnn.allow_tf32 = True
     target = load_target(cfg.target, dtype=cfg.target_dtype(d.device), device=d.device).requires_grad_(False)
     tokenizer = Tokenizer(cfg.target)
+    tokenizer.check_fits(target.config.vocab_size)
     examples, held_out = load_data(cfg, tokenizer, target, report=d.main)
     objective: DraftObjective | Eagle3Objective
     if cfg.method == "eagle3":
