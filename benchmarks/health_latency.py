@@ -36,26 +36,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_arm(src: str, extra: list[str]) -> tuple[list[float], dict[int, int]]:
+def start_server(src: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    """`blockspec serve` (embedded model) from the tree `src` on a free port, once /health answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "blockspec.serving.server", "--port", str(port),
                              "--log-level", "warning", "--max-model-len", "1024", *extra],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(proc.communicate()[1][-2000:])
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("server did not start")
+        time.sleep(0.2)
+
+
+def run_arm(src: str, extra: list[str]) -> tuple[list[float], dict[int, int]]:
+    proc, url = start_server(src, extra)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(proc.communicate()[1][-2000:])
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.2)
         stop = threading.Event()
         codes: dict[int, int] = {}
 

@@ -136,3 +136,11 @@ def test_a_draft_config_over_the_size_cap_is_refused(dirs, capsys):
     os.truncate(dirs / "draft" / "config.json", 100 << 20)
     err = one_line_error(generate(dirs / "target", "--method", "dflash", "--draft", str(dirs / "draft")), capsys)
     assert "byte limit" in err
+
+
+def test_generate_chat_with_a_giant_template_is_one_line_exit_2(dirs, capsys):
+    """{{ 'x' * 10**9 }}: stopped by the render worker's memory cap, not the machine's."""
+    template = dirs / "giant.jinja"
+    template.write_text("{{ 'x' * 10**9 }}")
+    err = one_line_error(generate(dirs / "target", "--chat", "--chat-template", str(template)), capsys)
+    assert "chat template failed" in err and str(template) in err
