@@ -110,8 +110,8 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_one(setup, tmp_path, me
     assert_same_params(final_params(whole), final_params(cut))
     assert [json.loads(x)["step"] for x in open(cut / "log.jsonl")] == list(range(1, 8))
     saved = checkpointing.step_dir(whole / "checkpoints", 7)
-    assert sorted(p.name for p in saved.iterdir()) == ["model.safetensors", "optimizer.pt", "rng-rank0.pt",
-                                                       "trainer.json"]
+    assert sorted(p.name for p in saved.iterdir()) == ["model.safetensors", "optimizer.safetensors",
+                                                       "rng-rank0.json", "trainer.json"]
     state = json.loads((saved / "trainer.json").read_text())
     assert state["step"] == 7 and state["scheduler"]["last_epoch"] == 7 and "data_position" in state
 

@@ -47,9 +47,12 @@ class _Worker:
     """One render process; `ask` sends one request and waits for its reply."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(MEMORY_HEADROOM)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)   # a terminal's Ctrl-C is for the parent only
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(MEMORY_HEADROOM)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         start_new_session=True)   # a terminal's Ctrl-C is for the parent only
+        except OSError as exc:   # no processes left, ...
+            raise BlockspecError(f"chat template: cannot start the render worker ({exc})") from None
         self.buffer = b""
         if self._line(START_TIMEOUT_S) != READY:
             self.kill()
@@ -107,8 +110,8 @@ class TemplateWorkers:
         timeout = RENDER_TIMEOUT_S if timeout is None else timeout
         try:
             payload = json.dumps(request, ensure_ascii=False).encode("utf-8", "surrogatepass")
-        except (TypeError, ValueError) as exc:
-            raise _failed(f"the chat must be JSON data to render ({exc})", where) from None
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise _failed(f"the chat must be JSON data to render ({type(exc).__name__}: {exc})", where) from None
         with self.slots:
             worker = self._take()
             started = time.monotonic()
