@@ -48,6 +48,7 @@ def chat(url: str, content: str, timeout: float = 60) -> httpx.Response:
                       json={"messages": [{"role": "user", "content": content}], "max_tokens": 2})
 
 
+@pytest.mark.slow
 def test_hostile_templates_are_400s_naming_the_template_while_others_are_answered(served, models, monkeypatch):
     monkeypatch.setattr(template_sandbox, "RENDER_TIMEOUT_S", 1.5)
     url = served
@@ -118,6 +119,7 @@ def test_a_request_head_over_16_kib_in_one_write_is_refused(served):
     assert _answer(ok, 5).startswith(b"HTTP/1.1 200")
 
 
+@pytest.mark.slow
 def test_shutdown_with_stalled_bodies_and_a_stuck_render_is_prompt_and_quiet(models, monkeypatch, caplog):
     monkeypatch.setattr(template_sandbox, "RENDER_TIMEOUT_S", 120.0)
     server = ServerThread(app_for(models), drain_timeout=2.0, body_timeout=60.0)
