@@ -64,6 +64,8 @@ def test_config_reads_specforge_and_writes_both_layer_spellings():
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 2, 9]}}, "3 distinct"),
     ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state"),
     ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"rms_norm_eps": "abc"}, "rms_norm_eps"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
 ])
 def test_config_refuses_bad_fields_in_one_line(change, message):
     with pytest.raises(BlockspecError, match=message) as err:

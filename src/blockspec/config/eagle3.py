@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockspec.config.common import positive_int, read_json, require
+from blockspec.config.common import positive_float, positive_int, read_json, require
 from blockspec.config.rope import RopeConfig
 from blockspec.config.target import TargetConfig
 from blockspec.errors import BlockspecError
@@ -100,6 +100,7 @@ class Eagle3Config:
             positive_int(name, getattr(self, name), where)
         positive_int("hidden_size", self.target_hidden_size, f"{where} (target_hidden_size)")
         positive_int("vocab_size", self.draft_vocab_size, f"{where} (draft_vocab_size)")
+        object.__setattr__(self, "rms_norm_eps", positive_float("rms_norm_eps", self.rms_norm_eps, where))
         require(self.draft_vocab_size <= self.vocab_size,
                  f"{where}: draft_vocab_size {self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
         require(self.num_attention_heads % self.num_key_value_heads == 0,
@@ -150,7 +151,7 @@ class Eagle3Config:
             target_hidden_size=raw.get("target_hidden_size") or hidden,
             target_layer_ids=_aux_layer_ids(raw, where),
             max_position_embeddings=raw.get("max_position_embeddings", 40960),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=RopeConfig.from_hf(raw, where),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope=RopeConfig.from_hf(raw, where),
             norm_before_residual=raw.get("norm_before_residual", False),
             num_hidden_layers=raw.get("num_hidden_layers", 1),
             extra={**{k: v for k, v in raw.items() if k not in _KNOWN},
