@@ -120,3 +120,23 @@ def test_observers_see_every_round_and_forced_acceptance_is_imposed(target64):
     assert stats.accepted == pattern[:stats.rounds] and len(forced.completions[0].tokens) == 17
     with pytest.raises(BlockspecError, match="speculative"):
         generate(target64, [PROMPTS[0]], params, forced_acceptance=iter(pattern))
+
+
+def test_padded_proposals_keep_the_confidences_the_gate_learns_from():
+    """Issue 28: the same 2 drafting rows learn the same survival in a 2-row batch and in a
+    4-row batch where the other 2 rows take AR steps (padding used to drop the confidences,
+    so survival past the verified slots read 0 and DSpark's gate stopped drafting)."""
+    from blockspec.decoding.policy import measured_survival
+    from blockspec.decoding.round import Proposal, pad_rows
+    tokens = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 5]])
+    confidence = torch.full((2, 5), 0.9)
+    proposal = Proposal(tokens, None, confidence, confidence.clone())
+    verified, accepted = torch.tensor([2, 2]), torch.tensor([2, 1])
+    alone = measured_survival(5, proposal.confidence, verified, accepted)
+    padded = pad_rows(proposal, 4)
+    assert padded.confidence is not None and torch.equal(padded.confidence[:2], confidence)
+    assert torch.equal(padded.confidence[2:], torch.zeros(2, 5))
+    in_batch = measured_survival(5, padded.confidence[:2], verified, accepted)
+    assert torch.allclose(in_batch, alone)
+    assert torch.allclose(in_batch[0], torch.tensor([1, 1, 0.9, 0.81, 0.729], dtype=torch.float64))
+    assert torch.equal(in_batch[1], torch.tensor([1, 0, 0, 0, 0], dtype=torch.float64))

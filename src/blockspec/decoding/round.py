@@ -430,4 +430,10 @@ def pad_rows(proposal: Proposal, rows: int, vocab: int | None = None) -> Proposa
         probs = torch.nn.functional.one_hot(proposal.tokens, vocab).float()
     if probs is not None:
         probs = torch.cat([probs, probs.new_zeros(rows - k, *probs.shape[1:])])
-    return Proposal(tokens, probs, None, proposal.raw_confidence)
+    # The confidences travel too: the policy learns the drafting rows' survival past what they
+    # verified from them (dropping them taught the gate survival 0 there whenever only some rows
+    # drafted, so DSpark stopped drafting where its full window wins).
+    confidence = proposal.confidence
+    if confidence is not None:
+        confidence = torch.cat([confidence, confidence.new_zeros(rows - k, g)])
+    return Proposal(tokens, probs, confidence, proposal.raw_confidence)
