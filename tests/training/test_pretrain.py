@@ -149,3 +149,18 @@ def test_sigterm_saves_every_step_done(corpus, tmp_path):
     assert proc.wait(timeout=60) == 0, proc.stderr.read()
     done = log(tmp_path / "a")[-1]["step"]
     assert json.loads((tmp_path / "a" / "state" / "meta.json").read_text())["step"] == done >= 3
+
+
+def test_validation_during_the_run_sees_the_current_weights(corpus, tmp_path):
+    """Every evaluation equals a fresh model's evaluation of the saved weights: an optimizer
+    that updates weights without bumping their versions (fused AdamW) left the no-grad
+    forwards on the prepacked weights of the first evaluation."""
+    cfg = config(corpus, tmp_path / "a", max_steps=4, eval_every=2, lr=5e-3)
+    pt.pretrain(cfg)
+    logged = [r["val_loss"] for r in log(tmp_path / "a") if "val_loss" in r]
+    tok = pt.Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    fresh = pt.build_model(cfg, tok)
+    pt.load_state(tmp_path / "a" / "state", fresh, pt.make_optimizer(fresh, cfg))
+    val = pt.tokenize_split(corpus, TOKENIZER, "val", tmp_path / "a")
+    assert logged[-1] == pytest.approx(pt.evaluate(fresh, val, cfg, torch.device("cpu"), False), abs=1e-4)
+    assert logged[0] != logged[-1]

@@ -179,10 +179,10 @@ def make_optimizer(model: nn.Module, cfg: PretrainConfig) -> torch.optim.Optimiz
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    try:   # the fused kernel (CPU and CUDA in recent torch) does the whole update in one pass
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=True)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    # Not fused=True: the fused kernel updates the weights without bumping their version
+    # counters, so the no-grad forwards' prepacked weight copies (models/layers.py FusedLinears)
+    # would stay those of the first evaluation and every later validation loss would be wrong.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, stream: torch.Tensor, cfg: PretrainConfig,
