@@ -218,7 +218,9 @@ class FusedLinears:
 
     Without gradients on the CPU the concatenated weight is built on first use
     (prepacked for oneDNN in float32) and rebuilt if any part changes, tracked by
-    tensor version; checkpoints keep the separate Hugging Face tensors. On other
+    tensor version (so weights must change through ops that bump it: torch's fused AdamW
+    does not, which is why the pretraining loop uses the plain one); checkpoints keep the
+    separate Hugging Face tensors. On other
     devices no concatenated copy is kept (it would double the attention and MLP
     weights in GPU memory: +8.4 GiB for an 8B model): the layers run one GEMM each.
     With gradients each layer runs on its own so autograd sees the real parameters."""
