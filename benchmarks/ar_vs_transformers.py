@@ -16,13 +16,13 @@ import time
 
 import torch
 
-from blockspec import SamplingParams, Tokenizer, embedded, generate, load_target
+from blockspec import GenerateOptions, SamplingParams, Tokenizer, embedded, generate, load_target
 
 
 def time_native(model, prompts, new_tokens, compile=False):
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    out = generate(model, prompts, params, compile=compile)
+    out = generate(model, prompts, params, options=GenerateOptions(compile=compile))
     return out.new_tokens / (time.perf_counter() - t0)
 
 

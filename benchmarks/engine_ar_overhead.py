@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from blockspec import Engine, SamplingParams, Tokenizer, embedded, load_draft, load_target
+from blockspec import Engine, PolicyOptions, SamplingParams, Tokenizer, embedded, load_draft, load_target
 from blockspec.bench.datasets import humaneval
 from blockspec.decoding.cost_table import profile_cost_table
 
@@ -47,8 +47,8 @@ def main() -> None:
         if kind == "ar":
             engine = Engine(target, None, method="ar", max_running=args.concurrency, max_model_len=1024)
         else:
-            engine = Engine(target, draft, method="dspark", scheduled=True, cost_table=table,
-                            max_running=args.concurrency, max_model_len=1024)
+            engine = Engine(target, draft, method="dspark", max_running=args.concurrency, max_model_len=1024,
+                            policy=PolicyOptions(scheduled=True, cost_table=table))
             if kind == "spec engine, drafting off":
                 engine._gate = NeverDraft()
         t0 = time.perf_counter()

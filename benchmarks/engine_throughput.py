@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec import Engine, SamplingParams, Tokenizer, embedded, load_draft, load_target
+from blockspec import Engine, PolicyOptions, SamplingParams, Tokenizer, embedded, load_draft, load_target
 from blockspec.bench.datasets import humaneval  # the bench's prompts: no bare trailing newline token
 
 # name -> (method, adaptive policy)
@@ -48,7 +48,8 @@ def request_params(workload: str, count: int, new_tokens: int) -> list[SamplingP
 
 def build(target, drafts, name: str, conc: int) -> Engine:
     method, adaptive = ARMS[name]
-    return Engine(target, drafts.get(method), method=method, max_running=conc, max_model_len=1024, adapt=adaptive)
+    return Engine(target, drafts.get(method), method=method, max_running=conc, max_model_len=1024,
+                  policy=PolicyOptions(adapt=adaptive))
 
 
 def run_once(engine: Engine, prompts, params) -> dict:

@@ -44,14 +44,14 @@ from typing import Callable, Iterator
 
 import torch
 
-from blockspec.bench.arms import accept_pattern
+from blockspec.bench.arms import ForcedAcceptance, accept_pattern
 from blockspec.config import DraftConfig, SamplingParams, TargetConfig
 from blockspec.decoding.captured import CapturedSteps, release_captured
 from blockspec.decoding.cost_table import profile_cost_table
-from blockspec.decoding.engine import Engine
-from blockspec.decoding.generate import generate
-from blockspec.decoding.round import propose, verify_and_commit
+from blockspec.decoding.generate import GenerateOptions, generate
+from blockspec.decoding.policy import PolicyOptions
 from blockspec.decoding.sampling import RowSampler
+from blockspec.engine.engine import Engine
 from blockspec.models.draft import DraftModel
 from blockspec.models.layers import rope_inv_freq
 from blockspec.models.target import TargetModel
@@ -282,7 +282,8 @@ def ar_section(target: TargetModel, raw: dict, contexts: list[int], new_tokens: 
         ids = torch.tensor([prompt], device=target.device)
 
         def ours(n: int) -> list[int]:
-            out = generate(target, [prompt], SamplingParams(max_new_tokens=n, ignore_eos=True), compile=not smoke)
+            out = generate(target, [prompt], SamplingParams(max_new_tokens=n, ignore_eos=True),
+                           options=GenerateOptions(compile=not smoke))
             return out.completions[0].tokens
 
         def theirs(n: int) -> list[int]:
@@ -317,6 +318,7 @@ def round_costs(target: TargetModel, drafts: dict[str, DraftModel], context: int
         cache.lengths.fill_(context)      # kernel times do not depend on the values cached
         dcache.lengths.fill_(context)
     steps, (tcache, _) = runners[first], views[first]
+    fwd = {name: r.forwards() for name, r in runners.items()}   # the round's forwards as captured steps
     capture = tuple(drafts[first].config.target_layer_ids)
     out = {}
     for b in batches:
@@ -332,17 +334,17 @@ def round_costs(target: TargetModel, drafts: dict[str, DraftModel], context: int
             for name, v in dviews.items():
                 v.lengths.copy_(d_lens[name])
 
-        t = {"ar": timer.median(lambda: verify_and_commit(target, tview, anchors, None, sampler, captured=steps),
+        t = {"ar": timer.median(lambda: fwd[first].verify_and_commit(target, tview, anchors, None, sampler),
                                 reset)}
         for name, d in drafts.items():
             t[f"draft {name}"] = timer.median(
-                lambda d=d, name=name: propose(d, target, dviews[name], anchors, sampler, captured=runners[name]),
+                lambda d=d, name=name: fwd[name].propose(d, target, dviews[name], anchors, sampler),
                 reset)
-        proposal = propose(drafts[first], target, dviews[first], anchors, sampler, captured=steps)
+        proposal = fwd[first].propose(drafts[first], target, dviews[first], anchors, sampler)
 
         def verify() -> None:   # verify, commit, and the kept tokens' features into the draft context
-            verdict, features = verify_and_commit(target, tview, anchors, proposal, sampler, capture=capture,
-                                                  captured=steps)
+            verdict, features = fwd[first].verify_and_commit(target, tview, anchors, proposal, sampler,
+                                                             capture=capture)
             steps.append_context(features, verdict.accepted + 1)
 
         t["verify"] = timer.median(verify, reset)
@@ -383,12 +385,11 @@ def round_section(target: TargetModel, drafts: dict[str, DraftModel], contexts: 
 def run_engine(target: TargetModel, draft: DraftModel | None, method: str, prompts: list[list[int]], conc: int,
                new_tokens: int, table=None) -> tuple[float, float]:
     """(generated tok/s, tau) of one engine over `prompts`, acceptance forced to SIM_TAU."""
-    engine = Engine(target, draft, method=method, scheduled=table is not None, cost_table=table, max_running=conc,
-                    max_model_len=max(map(len, prompts)) + new_tokens + 64, adapt=False)
+    policy = PolicyOptions(adapt=False, scheduled=table is not None, cost_table=table)
+    engine = Engine(target, draft, method=method, max_running=conc,
+                    max_model_len=max(map(len, prompts)) + new_tokens + 64, policy=policy)
     if draft is not None:
-        pattern = accept_pattern(SIM_TAU, draft.config.num_drafts)
-        engine.forced_acceptance = lambda rows: torch.full((rows,), next(pattern), dtype=torch.long,
-                                                           device=target.device)
+        engine.forwards = ForcedAcceptance(engine.forwards, accept_pattern(SIM_TAU, draft.config.num_drafts))
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     for p in prompts:

@@ -51,7 +51,7 @@ def worker(n_tokens: int) -> dict:
     try:
         from blockspec.decoding.output import TextTracker
     except ImportError:  # before the refactor the tracker lived in the engine module
-        from blockspec.decoding.engine import TextTracker
+        from blockspec.engine.engine import TextTracker
     decoder = Decoder()
     chunks = stream(decoder, n_tokens)
     out = {}

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from blockspec.config import GenerationDefaults, SamplingParams  # noqa: E402
-from blockspec.decoding.engine import Engine  # noqa: E402
+from blockspec.engine.engine import Engine  # noqa: E402
 from blockspec.decoding.generate import generate  # noqa: E402
 from blockspec.models.checkpoint import load_target, resolve_dtype  # noqa: E402
 

@@ -18,7 +18,8 @@ from typing import Any, Callable
 from blockspec import __version__, embedded
 from blockspec.bench.cli import add_bench_parser
 from blockspec.config import SamplingParams
-from blockspec.decoding.generate import generate
+from blockspec.decoding.generate import GenerateOptions, generate
+from blockspec.decoding.policy import PolicyOptions
 from blockspec.decoding.cost_table import profile_cost_table
 from blockspec.decoding.output import TextTracker
 from blockspec.errors import BlockspecError
@@ -78,7 +79,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
               "small CPU) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     out = generate(models.target, [prompt_ids], params, draft=models.draft, method=args.method, rule=args.rule,
-                   on_tokens=on_tokens, compile=args.compile, adapt=args.adapt)
+                   policy=PolicyOptions(adapt=args.adapt),
+                   options=GenerateOptions(on_tokens=on_tokens, compile=args.compile))
     elapsed = time.perf_counter() - t0
     sys.stdout.write(stream.push([], final=True)[1] + "\n")
     if args.stats:

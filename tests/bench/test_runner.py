@@ -19,13 +19,14 @@ from blockspec.bench.cli import add_bench_parser
 from blockspec.bench.datasets import BenchPrompt
 from blockspec.bench.measure import ArmTotals, collect_calibration, throughput_vs_concurrency
 from blockspec.bench.report import render_markdown
-from blockspec.bench.run import _code_quality, _datasets, run_bench
+from blockspec.bench.run import BenchOptions, _code_quality, _datasets, run_bench
 from blockspec.config import SamplingParams
 from blockspec.decoding.acceptance import RoundRecorder
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import save_draft
+from blockspec import Engine, GenerateOptions, PolicyOptions
 from conftest import make_draft, make_target, write_tiny_target_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,9 +60,7 @@ def drafts_of(root: Path) -> dict[str, Path]:
 def bench(models):
     methods = ["ar", "dflash", "dspark", "dspark-scheduled"] + (["hf"] if HAS_HF else [])
     out = models / "out"
-    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], methods,
-                        temperatures=[0.0, 1.0], max_new_tokens=MAX_NEW, limit=LIMIT, repeats=1, out_dir=out,
-                        ignore_eos=True)
+    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], options=BenchOptions(methods=methods, temperatures=[0.0, 1.0], max_new_tokens=MAX_NEW, limit=LIMIT, repeats=1, out_dir=out, ignore_eos=True))
     return results, out
 
 
@@ -160,9 +159,7 @@ def test_code_quality_of_an_arm():
 
 def test_bench_scores_code_prompts(models):
     prompts = [BenchPrompt(f"p{i}", f'def f{i}(x):\n    """Return x."""', f"f{i}") for i in range(2)]
-    results = run_bench(models / "target", drafts_of(models), {"code": prompts}, ["ar", "dflash"],
-                        temperatures=[0.0], max_new_tokens=MAX_NEW, out_dir=models / "code", ignore_eos=True,
-                        progress=False)
+    results = run_bench(models / "target", drafts_of(models), {"code": prompts}, options=BenchOptions(methods=["ar", "dflash"], temperatures=[0.0], max_new_tokens=MAX_NEW, out_dir=models / "code", ignore_eos=True, progress=False))
     for row in results["rows"]:
         assert row["code"]["scored"] == 2 and 0.0 <= row["parse_body"] <= row["code"]["parse_rate"] <= 1.0
         assert row["degeneracy"]["completions"] == 2
@@ -174,14 +171,12 @@ def test_every_kth_prompt_then_limit(models):
     assert [p.id for p in _datasets({"d": prompts}, None, 2, 3)["d"]] == ["p0", "p3"]
     assert [p.id for p in _datasets({"d": prompts}, None, None)["d"]] == [f"p{i}" for i in range(10)]
     with pytest.raises(BlockspecError, match="every"):
-        run_bench(models / "missing", {}, ["x.jsonl"], every=0, out_dir=models / "never")
+        run_bench(models / "missing", {}, ["x.jsonl"], options=BenchOptions(every=0, out_dir=models / "never"))
 
 
 def test_simulated_acceptance_hits_requested_tau(models):
     tau = 2.5
-    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], ["ar", "dflash"],
-                        temperatures=[0.0], max_new_tokens=16, limit=LIMIT, block_sizes=[2, 3, 4],
-                        out_dir=models / "sim", simulate_accept=tau, ignore_eos=True, progress=False)
+    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], options=BenchOptions(methods=["ar", "dflash"], temperatures=[0.0], max_new_tokens=16, limit=LIMIT, block_sizes=[2, 3, 4], out_dir=models / "sim", simulate_accept=tau, ignore_eos=True, progress=False))
     spec = [r for r in results["rows"] if r["method"] == "dflash"]
     assert [r["block_size"] for r in spec] == [3, 4]               # B=2 has one draft: tau 2.5 is out of reach
     assert any("B=2 skipped" in n for n in results["meta"]["notes"])
@@ -213,9 +208,9 @@ def test_round_recorder_sees_every_round_of_generate(kind, temperature):
              make_draft(target, layout="deepspec", block_size=3, markov_rank=4, confidence=True))
     params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=3)
     recorder = RoundRecorder()
-    out = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind, observer=recorder, adapt=False)
+    out = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind, policy=PolicyOptions(adapt=False), options=GenerateOptions(observer=recorder))
     loop = out.completions[0]
-    ref = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind, adapt=False).completions[0]
+    ref = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind, policy=PolicyOptions(adapt=False)).completions[0]
     assert loop.tokens == ref.tokens
     assert loop.stats.accepted == ref.stats.accepted and loop.stats.verified == ref.stats.verified
     assert [r.accepted for r in recorder.records] == loop.stats.accepted
@@ -228,10 +223,16 @@ def test_forced_acceptance_follows_the_pattern():
     target = make_target()
     draft = make_draft(target, block_size=5)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    out = generate(target, [[5, 6, 7]], params, draft=draft, forced_acceptance=accept_pattern(3.5, 4))
+    forced = GenerateOptions(forwards=lambda inner: ForcedAcceptance(inner, accept_pattern(3.5, 4)))
+    out = generate(target, [[5, 6, 7]], params, draft=draft, policy=PolicyOptions(adapt=False), options=forced)
     stats = out.completions[0].stats
     assert stats.accepted == [a for a, _ in zip(accept_pattern(3.5, 4), range(stats.rounds))]
     assert len(out.completions[0].tokens) == 20
+    # The engine's forwards take the same wrapper (benchmarks/gpu_bench.py); counts never exceed what was verified.
+    engine = Engine(target, draft, "dflash", max_running=2, max_model_len=64, policy=PolicyOptions(adapt=False))
+    engine.forwards = ForcedAcceptance(engine.forwards, iter([9, 0, 2] * 20))
+    ref = [c.stats.accepted for c in engine.generate([[5, 6, 7], [8, 9]], params)]
+    assert ref[0][:3] == [4, 0, 2] and ref[1][:3] == [4, 0, 2]
 
 
 def test_calibration_needs_a_confidence_head():
@@ -241,7 +242,7 @@ def test_calibration_needs_a_confidence_head():
 
 
 def test_throughput_vs_concurrency(tmp_path):
-    pytest.importorskip("blockspec.decoding.engine")
+    pytest.importorskip("blockspec.engine.engine")
     target = make_target()
     out = throughput_vs_concurrency(target, {"dflash": make_draft(target, block_size=3)}, [[1, 2, 3], [4, 5]],
                                     [1, 2], SamplingParams(max_new_tokens=6, ignore_eos=True),
@@ -252,7 +253,7 @@ def test_throughput_vs_concurrency(tmp_path):
 
 
 def test_throughput_vs_concurrency_with_scheduled_dspark():
-    pytest.importorskip("blockspec.decoding.engine")
+    pytest.importorskip("blockspec.engine.engine")
     target = make_target()
     dspark = make_draft(target, "deepspec", 3, markov_rank=4, confidence=True)
     table = CostTable([1, 64], [1.0, 2.0], draft_rows=[1, 2], draft_times_s=[0.1, 0.2])
@@ -263,15 +264,16 @@ def test_throughput_vs_concurrency_with_scheduled_dspark():
 
 
 def test_bad_arguments_fail_before_loading(models):
-    common = dict(target_dir=models / "missing", datasets=["x.jsonl"], out_dir=models / "never")
+    common = dict(target_dir=models / "missing", datasets=["x.jsonl"])
+    never = models / "never"
     with pytest.raises(BlockspecError, match="unknown bench method"):
-        run_bench(drafts={}, methods=["ar", "eagle"], **common)
+        run_bench(drafts={}, **common, options=BenchOptions(methods=["ar", "eagle"], out_dir=never))
     with pytest.raises(BlockspecError, match="needs a dflash draft"):
-        run_bench(drafts={"dflash": None}, methods=["dflash"], **common)
+        run_bench(drafts={"dflash": None}, **common, options=BenchOptions(methods=["dflash"], out_dir=never))
     with pytest.raises(BlockspecError, match="repeats"):
-        run_bench(drafts={}, repeats=0, **common)
+        run_bench(drafts={}, **common, options=BenchOptions(repeats=0, out_dir=never))
     with pytest.raises(BlockspecError, match="temperatures"):
-        run_bench(drafts={}, temperatures=[-1.0], **common)
+        run_bench(drafts={}, **common, options=BenchOptions(temperatures=[-1.0], out_dir=never))
 
 
 def test_cli_parser_and_handler(models, tmp_path, capsys):
@@ -354,9 +356,7 @@ def test_adaptive_and_fixed_arms_side_by_side(models):
     """--also-fixed: every speculative method runs as users run it (adaptive) and with fixed
     full windows; the two arms of one draft share one calibration pass (one table row)."""
     out = models / "out_policies"
-    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], ["ar", "dflash", "dspark"],
-                        temperatures=[0.0], max_new_tokens=MAX_NEW, limit=LIMIT, repeats=1, out_dir=out,
-                        ignore_eos=True, policies=("adaptive", "fixed"))
+    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], options=BenchOptions(methods=["ar", "dflash", "dspark"], temperatures=[0.0], max_new_tokens=MAX_NEW, limit=LIMIT, repeats=1, out_dir=out, ignore_eos=True, policies=("adaptive", "fixed")))
     labels = [r["label"] for r in results["rows"]]
     assert labels == ["ar", "dflash B=4 adaptive", "dflash B=4 fixed", "dspark B=3 adaptive", "dspark B=3 fixed"]
     drafted = {r["label"]: r["drafted"] for r in results["rows"]}
@@ -367,5 +367,4 @@ def test_adaptive_and_fixed_arms_side_by_side(models):
     md = (out / "results.md").read_text()
     assert md.split("Confidence-head calibration")[1].count("| dspark |") == 1
     with pytest.raises(BlockspecError, match="policies"):
-        run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], ["ar"], limit=1,
-                  out_dir=out, policies=("sometimes",))
+        run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], options=BenchOptions(methods=["ar"], limit=1, out_dir=out, policies=("sometimes",)))

@@ -12,7 +12,8 @@ import torch
 from blockspec.config import SamplingParams
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import generate
-from blockspec.decoding.policy import FullWindow, RoundPolicy
+from blockspec.decoding.policy import RoundPolicy
+from blockspec import GenerateOptions, PolicyOptions
 from conftest import make_draft, make_target
 from lossless_stats import chi_square_p, exact_first_three
 
@@ -31,7 +32,8 @@ def drafts(target):
 def switching_policy(target, draft, method: str, rows: int, script: list[tuple[float, int]]) -> RoundPolicy:
     """The real policy (gate, planner, calibration) whose gate follows `script`: per round
     (share of rows that draft, block length), cycling; 0 rows is an AR round."""
-    policy = RoundPolicy.for_method(target, draft, method, TABLE, rows=rows, gate_feedback=False)
+    policy = RoundPolicy.for_method(target, draft, method, PolicyOptions(cost_table=TABLE, gate_feedback=False),
+                                    rows=rows)
     cycle = itertools.cycle(script)
 
     def decide(bands):
@@ -63,7 +65,7 @@ def test_greedy_output_equals_ar_while_switching_inside_a_request(method):
     policy = switching_policy(target, draft, method, len(PROMPTS), [(0.0, 0), (1.0, 1), (0.5, window), (1.0, window),
                                                                    (0.25, 2)])
     seen = Blocks()
-    out = generate(target, PROMPTS, params, draft=draft, method=method, policy=policy, observer=seen)
+    out = generate(target, PROMPTS, params, draft=draft, method=method, policy=policy, options=GenerateOptions(observer=seen))
     assert [c.tokens for c in out.completions] == ref
     assert {0, 1, window} <= set(seen.by_request[0])         # AR, short and full blocks in one request
     # The default path (adaptive, this machine's measured table) is lossless too.
@@ -78,11 +80,11 @@ def test_adaptive_is_the_default_and_no_adapt_is_the_full_window(monkeypatch):
     module = importlib.import_module("blockspec.decoding.generate")
     real = module.speculative_round
     monkeypatch.setattr(module, "speculative_round",
-                        lambda batch, policy, **kw: (used.append(type(policy)), real(batch, policy, **kw))[1])
+                        lambda batch, policy, **kw: (used.append(policy), real(batch, policy, **kw))[1])
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     generate(target, PROMPTS[:1], params, draft=draft)
-    generate(target, PROMPTS[:1], params, draft=draft, adapt=False)
-    assert used[0] is RoundPolicy and used[-1] is FullWindow
+    generate(target, PROMPTS[:1], params, draft=draft, policy=PolicyOptions(adapt=False))
+    assert used[0].adaptive and not used[0].fixed and used[-1].fixed   # one policy type, two settings
 
 
 VOCAB, N, ALPHA = 12, 12000, 1e-3
@@ -102,7 +104,7 @@ def test_sampled_distribution_is_exact_while_switching(method, params):
                            max_new_tokens=3, seed=i, ignore_eos=True) for i in range(N)]
     prompt = [3, 5, 7, 2]
     seen = Blocks()
-    out = generate(target, [prompt] * N, rows, draft=draft, method=method, policy=policy, observer=seen)
+    out = generate(target, [prompt] * N, rows, draft=draft, method=method, policy=policy, options=GenerateOptions(observer=seen))
     assert len({tuple(b) for b in seen.by_request.values()}) > 2   # rows really followed different schedules
     counts = torch.zeros(VOCAB ** 3)
     for c in out.completions:

@@ -5,16 +5,19 @@ The static steps run eagerly here (compile=False); one slow test compiles them."
 
 from __future__ import annotations
 
+import itertools
 import pytest
 import torch
 
 from blockspec.config import SamplingParams
 from blockspec.decoding.captured import CapturedSteps, captured_steps, release_captured, row_bucket
 from blockspec.decoding.generate import generate
-from blockspec.decoding.policy import FullWindow
-from blockspec.decoding.round import Proposal, RoundInputs, prefill, speculative_round
+from blockspec.bench.arms import ForcedAcceptance
+from blockspec.decoding.policy import RoundPolicy as FixedWindow   # no table, no gate: full windows
+from blockspec.decoding.round import DENSE, Proposal, RoundInputs, prefill, speculative_round
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
+from blockspec import GenerateOptions, PolicyOptions
 from conftest import make_draft, make_target
 
 PROMPTS = {1: [[5, 9, 2, 7]], 3: [[3, 4, 5], [7, 1, 2, 9, 4, 8, 11, 6], [12, 30]],
@@ -155,19 +158,21 @@ def run_rounds(target, draft, prompts, policy_factory, captured: CapturedSteps |
         context = None
         if draft is not None:
             context = captured.context() if captured is not None else DirectContext(draft, dcache)
-        batch = RoundInputs(target, draft, cache, dcache, context, anchors, sampler, captured=captured)
+        forwards = captured.forwards() if captured is not None else DENSE
+        if forced is not None:
+            forwards = ForcedAcceptance(forwards, itertools.cycle(forced))
+        batch = RoundInputs(target, draft, cache, dcache, context, anchors, sampler, forwards=forwards)
         for i in range(rounds):
-            f = None if forced is None else torch.full((rows,), forced[i % len(forced)])
-            outcome = speculative_round(batch, policy, forced=f)
+            outcome = speculative_round(batch, policy)
             for r in range(rows):
                 out[r] += outcome.new_tokens(r)
     return out
 
 
 @pytest.mark.parametrize("method,rows,policy", [
-    ("ar", 1, FullWindow), ("ar", 5, FullWindow),
-    ("dflash", 1, FullWindow), ("dflash", 3, FullWindow), ("dflash", 5, PrefixPolicy),
-    ("dspark", 3, FullWindow), ("dspark", 5, PrefixPolicy)])
+    ("ar", 1, FixedWindow), ("ar", 5, FixedWindow),
+    ("dflash", 1, FixedWindow), ("dflash", 3, FixedWindow), ("dflash", 5, PrefixPolicy),
+    ("dspark", 3, FixedWindow), ("dspark", 5, PrefixPolicy)])
 def test_captured_rounds_equal_eager_rounds(method, rows, policy):
     """Greedy: the same tokens round after round (random drafts: mostly rejected, rolled back),
     rows padded to their bucket (1, 4, 8), drafting prefixes, shorter blocks and AR rounds."""
@@ -187,9 +192,9 @@ def test_captured_rounds_commit_long_accepted_runs(method):
     context advance and roll back as in the eager round."""
     target, draft = models(method)
     forced = [3, 0, 2, 3, 1]
-    eager = run_rounds(target, draft, PROMPTS[3], FullWindow, None, 5, forced)
+    eager = run_rounds(target, draft, PROMPTS[3], FixedWindow, None, 5, forced)
     steps = CapturedSteps(target, draft, compile=False)
-    captured = run_rounds(target, draft, PROMPTS[3], FullWindow, steps, 5, forced)
+    captured = run_rounds(target, draft, PROMPTS[3], FixedWindow, steps, 5, forced)
     assert captured == eager and all(len(t) == 9 + 5 for t in captured)
     # What a CUDA graph would hold alive: both models' RoPE tables and fused q/k norm weights.
     held = steps._lazy_tensors()
@@ -205,11 +210,11 @@ def test_generate_compile_equals_eager_as_rows_finish(method):
     target, draft = models(method)
     prompts = PROMPTS[5]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 17, 9, 3, 12)]
-    eager = generate(target, prompts, params, draft=draft, method=method, adapt=False)
+    eager = generate(target, prompts, params, draft=draft, method=method, policy=PolicyOptions(adapt=False))
     runner = captured_steps(target, draft, compile=False)
-    first = generate(target, prompts, params, draft=draft, method=method, compile=True, adapt=False)
+    first = generate(target, prompts, params, draft=draft, method=method, policy=PolicyOptions(adapt=False), options=GenerateOptions(compile=True))
     buffers = runner.cache.k
-    again = generate(target, prompts[1:3], params[1:3], draft=draft, method=method, compile=True, adapt=False)
+    again = generate(target, prompts[1:3], params[1:3], draft=draft, method=method, policy=PolicyOptions(adapt=False), options=GenerateOptions(compile=True))
     assert captured_steps(target, draft) is runner and runner.cache.k is buffers
     want = [c.tokens for c in eager.completions]
     assert [c.tokens for c in first.completions] == want
@@ -227,9 +232,9 @@ def test_seeded_sampling_captured_equals_eager(method):
     params = [SamplingParams(temperature=1.0, seed=7, max_new_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0.7, top_p=0.9, seed=8, max_new_tokens=6, ignore_eos=True),
               SamplingParams(max_new_tokens=8, ignore_eos=True)]
-    eager = generate(target, prompts, params, draft=draft, method=method, adapt=False)
+    eager = generate(target, prompts, params, draft=draft, method=method, policy=PolicyOptions(adapt=False))
     captured_steps(target, draft, compile=False)
-    captured = generate(target, prompts, params, draft=draft, method=method, compile=True, adapt=False)
+    captured = generate(target, prompts, params, draft=draft, method=method, policy=PolicyOptions(adapt=False), options=GenerateOptions(compile=True))
     assert [c.tokens for c in captured.completions] == [c.tokens for c in eager.completions]
     release_captured(target)
 
@@ -250,9 +255,9 @@ def test_a_greedy_captured_round_reads_the_host_once(monkeypatch, method):
     with torch.inference_mode():
         anchors = prefill(target, cache, prompts, sampler, draft, dcache).anchors
         batch = RoundInputs(target, draft, cache, dcache, steps.context() if draft is not None else None, anchors,
-                            sampler, captured=steps)
+                            sampler, forwards=steps.forwards())
         batch.bands = [0, 0, 0]   # as generate and the engine pass them
-        policy = FullWindow(draft.config.num_drafts if draft is not None else 0)
+        policy = FixedWindow(draft.config.num_drafts if draft is not None else 0)
         speculative_round(batch, policy)          # the first round builds the steps
         reads: list[str] = []
 
@@ -295,10 +300,10 @@ def test_compiled_captured_rounds_equal_eager():
     """torch.compile (inductor on the CPU) of the static steps: same greedy tokens."""
     target, draft = models("dflash", torch.float32)
     prompts = PROMPTS[3]
-    eager = run_rounds(target, draft, prompts, FullWindow, None, 4)
+    eager = run_rounds(target, draft, prompts, FixedWindow, None, 4)
     steps = CapturedSteps(target, draft, compile=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert run_rounds(target, draft, prompts, FullWindow, steps, 4) == eager
+    assert run_rounds(target, draft, prompts, FixedWindow, steps, 4) == eager
     # fullgraph: each of the three steps compiled as one graph (a break would have raised)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
     assert {key[0] for key in steps._steps} == {f"target{tuple(draft.config.target_layer_ids)}", "draft_block",

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding import round as round_module
 from blockspec.decoding.generate import generate
 from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.round import Proposal, padding_groups, prefill
+from blockspec.decoding.round import Forwards, Proposal, WrappedForwards, padding_groups, prefill
 from blockspec.errors import BlockspecError
+from blockspec import GenerateOptions, PolicyOptions
 from conftest import make_draft, make_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -48,32 +48,32 @@ def test_random_draft_greedy_equals_ar(target64, ar_reference, block_size, layou
     assert [c.tokens for c in out.completions] == expected
 
 
-def oracle_propose(reference: list[list[int]], corrupt_every: int):
-    """A propose() that drafts the target's own greedy continuation (found by
+class OracleForwards(WrappedForwards):
+    """Forwards whose proposal drafts the target's own greedy continuation (found by
     matching position + anchor against the reference), corrupting some slots,
     so that long accepted runs, partial runs and full rejections all occur."""
-    real = round_module.propose
-    calls = {"n": 0}
 
-    def propose(draft, target, draft_cache, anchors, sampler, num_drafts=None, **kw):
-        proposal = real(draft, target, draft_cache, anchors, sampler, num_drafts, **kw)
+    def __init__(self, inner: Forwards, reference: list[list[int]], corrupt_every: int) -> None:
+        super().__init__(inner)
+        self.reference, self.corrupt_every, self.calls = reference, corrupt_every, 0
+
+    def propose(self, draft, target, draft_cache, anchors, sampler, num_drafts=None, *rest):
+        proposal = self.inner.propose(draft, target, draft_cache, anchors, sampler, num_drafts, *rest)
         tokens = proposal.tokens.clone()
         g = tokens.shape[1]
         for r in range(tokens.shape[0]):
             p, anchor = int(draft_cache.lengths[r]), int(anchors[r])
-            for seq in reference:
+            for seq in self.reference:
                 if p < len(seq) and seq[p] == anchor:
                     cont = seq[p + 1:p + 1 + g]
                     tokens[r, :len(cont)] = torch.tensor(cont)
                     break
-            calls["n"] += 1
-            if calls["n"] % corrupt_every == 0:
-                k = calls["n"] % g
+            self.calls += 1
+            if self.calls % self.corrupt_every == 0:
+                k = self.calls % g
                 tokens[r, k] = (tokens[r, k] + 1) % target.config.vocab_size
         probs = torch.nn.functional.one_hot(tokens, target.config.vocab_size).double()
         return Proposal(tokens, probs, proposal.confidence)
-
-    return propose
 
 
 @pytest.mark.parametrize("layout, rank, kind, confidence", [DRAFTS[0], DRAFTS[2]])
@@ -81,21 +81,20 @@ def oracle_propose(reference: list[list[int]], corrupt_every: int):
 def test_oracle_drafts_long_runs_and_stop_inside_run(monkeypatch, target64, ar_reference, layout, rank, kind,
                                                       confidence, block_size):
     full = [p + a for p, a in zip(PROMPTS, ar_reference)]
-    monkeypatch.setattr(round_module, "propose", oracle_propose(full, corrupt_every=3))
+    oracle = GenerateOptions(forwards=lambda inner: OracleForwards(inner, full, corrupt_every=3))
     draft = make_draft(target64, layout, block_size, markov_rank=rank, markov_type=kind, confidence=confidence)
     # Fixed windows: every round drafts, so the oracle's long runs are what is tested.
-    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True), draft=draft, adapt=False)
+    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True), draft=draft, policy=PolicyOptions(adapt=False), options=oracle)
     assert [c.tokens for c in out.completions] == ar_reference
     assert out.tau > 2.0  # long accepted runs really happened
     # A stop token that occurs mid-continuation truncates inside an accepted run.
     stop = ar_reference[0][9]
     cut = [ref[:ref.index(stop)] if stop in ref else ref for ref in ar_reference]
-    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=24, stop_token_ids=[stop], ignore_eos=True),
-                   draft=draft, adapt=False)
+    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=24, stop_token_ids=[stop], ignore_eos=True), draft=draft, policy=PolicyOptions(adapt=False), options=oracle)
     assert [c.tokens for c in out.completions] == cut
     assert [c.finish_reason for c in out.completions][0] == "stop"
     # max_new_tokens inside an accepted run
-    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=7, ignore_eos=True), draft=draft, adapt=False)
+    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=7, ignore_eos=True), draft=draft, policy=PolicyOptions(adapt=False), options=oracle)
     assert [c.tokens for c in out.completions] == [ref[:7] for ref in ar_reference]
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
 from blockspec.decoding import round as round_module
 from conftest import make_draft, make_target

@@ -19,7 +19,8 @@ import torch
 scipy_stats = pytest.importorskip("scipy.stats")
 
 from blockspec.config import SamplingParams
-from blockspec.decoding import round as round_module
+from blockspec import GenerateOptions
+from blockspec.decoding.round import WrappedForwards
 from blockspec.decoding.generate import generate
 from blockspec.decoding.sampling import Verdict, warp
 from lossless_stats import chi_square_p, exact_first_three
@@ -34,10 +35,11 @@ def target():
     return make_target(seed=3, vocab=VOCAB, dtype=torch.float64)
 
 
-def empirical_counts(target, draft, params: SamplingParams, rule: str = "rejection") -> torch.Tensor:
+def empirical_counts(target, draft, params: SamplingParams, rule: str = "rejection",
+                     options: GenerateOptions | None = None) -> torch.Tensor:
     rows = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                            max_new_tokens=3, seed=i, ignore_eos=True) for i in range(N)]
-    out = generate(target, [PROMPT] * N, rows, draft=draft, rule=rule)
+    out = generate(target, [PROMPT] * N, rows, draft=draft, rule=rule, options=options)
     counts = torch.zeros(VOCAB ** 3)
     for c in out.completions:
         a, b, d = c.tokens
@@ -72,12 +74,13 @@ def test_sample_and_match_is_lossless(target):
 
 def test_lossy_verifier_is_detected(target, monkeypatch):
     """Power check: accepting every draft gives the draft's distribution, and the test must see it."""
-    def accept_all(target_logits, drafts, draft_probs, sampler, num_drafts=None, rule="rejection"):
-        g = drafts.shape[1]
-        bonus = torch.multinomial(warp(target_logits[:, g], sampler), 1, generator=sampler.generators[0])[:, 0]
-        return Verdict(torch.full((drafts.shape[0],), g), bonus)
+    class AcceptAll(WrappedForwards):
+        def verdict(self, target_logits, drafts, draft_probs, sampler, num_drafts, rule):
+            g = drafts.shape[1]
+            bonus = torch.multinomial(warp(target_logits[:, g], sampler), 1, generator=sampler.generators[0])[:, 0]
+            return Verdict(torch.full((drafts.shape[0],), g), bonus)
 
-    monkeypatch.setattr(round_module, "verify", accept_all)
     params = SamplingParams(temperature=1.0)
-    counts = empirical_counts(target, make_draft(target, "zlab", 4, seed=5), params)
+    counts = empirical_counts(target, make_draft(target, "zlab", 4, seed=5), params,
+                              options=GenerateOptions(forwards=AcceptAll))
     assert chi_square_p(counts, exact_first_three(target, params, PROMPT, VOCAB)) < ALPHA

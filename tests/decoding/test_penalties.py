@@ -14,7 +14,7 @@ import torch
 
 from blockspec.config import SamplingParams
 from blockspec.decoding import round as round_module
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
 from blockspec.decoding.penalties import LogitAdjust
 from blockspec.errors import BlockspecError

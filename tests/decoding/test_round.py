@@ -1,5 +1,5 @@
 """The one round's parameters and observers: per-row random streams, the early stop
-on the policy's survival, stop strings in `generate`, round observers and forced
+on the policy's survival, stop strings in `generate`, round observers and
 acceptance."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
 from blockspec.decoding.planner import plan
 from blockspec.decoding.policy import ConfidenceCalibration
@@ -16,6 +16,7 @@ from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.round import propose
 from blockspec.decoding.sampling import RowSampler, verify, warp
 from blockspec.errors import BlockspecError
+from blockspec import GenerateOptions, PolicyOptions
 from conftest import make_draft, make_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13]]
@@ -90,7 +91,7 @@ def test_generate_honours_stop_strings_like_the_engine(target64, method):
     plain = generate(target64, [PROMPTS[0]], SamplingParams(max_new_tokens=20, ignore_eos=True), draft=draft)
     text = tok.decode(plain.completions[0].tokens)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, stop=["zzzz", text[9:12]])
-    out = generate(target64, [PROMPTS[0]], params, draft=draft, tokenizer=tok).completions[0]
+    out = generate(target64, [PROMPTS[0]], params, draft=draft, options=GenerateOptions(tokenizer=tok)).completions[0]
     engine = Engine(target64, draft, method, max_running=1, max_model_len=64, tokenizer=tok)
     ref = engine.generate([PROMPTS[0]], params)[0]
     assert out.finish_reason == ref.finish_reason == "stop"
@@ -100,7 +101,7 @@ def test_generate_honours_stop_strings_like_the_engine(target64, method):
         generate(target64, [PROMPTS[0]], params, draft=draft)
 
 
-def test_observers_see_every_round_and_forced_acceptance_is_imposed(target64):
+def test_observers_see_every_round(target64):
     draft = make_draft(target64, "deepspec", 4, markov_rank=4, confidence=True)
     seen = []
 
@@ -109,17 +110,11 @@ def test_observers_see_every_round_and_forced_acceptance_is_imposed(target64):
             seen.append((list(requests), list(outcome.accepted), outcome.raw_confidence.shape))
 
     params = SamplingParams(max_new_tokens=17, ignore_eos=True)
-    out = generate(target64, PROMPTS, params, draft=draft, observer=Observer(), adapt=False)
+    out = generate(target64, PROMPTS, params, draft=draft, policy=PolicyOptions(adapt=False), options=GenerateOptions(observer=Observer()))
     assert len(seen) == out.timing.rounds
     assert [a for requests, acc, _ in seen for r, a in zip(requests, acc) if r == 1] == \
         out.completions[1].stats.accepted
     assert all(shape == (len(requests), draft.config.num_drafts) for requests, _, shape in seen)
-    pattern = [3, 0, 2, 1] * 10
-    forced = generate(target64, [PROMPTS[0]], params, draft=draft, forced_acceptance=iter(pattern))
-    stats = forced.completions[0].stats
-    assert stats.accepted == pattern[:stats.rounds] and len(forced.completions[0].tokens) == 17
-    with pytest.raises(BlockspecError, match="speculative"):
-        generate(target64, [PROMPTS[0]], params, forced_acceptance=iter(pattern))
 
 
 def test_padded_proposals_keep_the_confidences_the_gate_learns_from():

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from blockspec import SamplingParams, Tokenizer, embedded, generate, load_draft, load_target
+from blockspec import PolicyOptions
 
 PROMPTS = ["def fib(n):", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"]
 
@@ -65,5 +66,5 @@ def test_cli_profile_with_the_embedded_draft(tmp_path):
     target = load_target(embedded.default_target())
     draft = load_draft(embedded.default_draft("dspark"), target=target)
     assert table.draft_window == draft.config.num_drafts
-    engine = Engine(target, draft, "dspark", scheduled=True, cost_table=table, max_running=2, max_model_len=64)
+    engine = Engine(target, draft, "dspark", max_running=2, max_model_len=64, policy=PolicyOptions(scheduled=True, cost_table=table))
     assert engine.metrics()["draft_gate"]

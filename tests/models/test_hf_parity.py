@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from blockspec import cli  # noqa: E402
 from blockspec.errors import BlockspecError  # noqa: E402
 from blockspec.models.checkpoint import load_target  # noqa: E402
+from blockspec import GenerateOptions
 
 VOCAB = 96
 EOS = VOCAB - 1
@@ -272,5 +273,5 @@ def test_compiled_decode_matches_transformers_generate(checkpoints, case):
     prompt = sequence(10, seed=5).tolist()
     want = ref.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None,
                         pad_token_id=0)[0, len(prompt):].tolist()
-    out = generate(ours, [prompt], SamplingParams(max_new_tokens=14, ignore_eos=True), compile=True)
+    out = generate(ours, [prompt], SamplingParams(max_new_tokens=14, ignore_eos=True), options=GenerateOptions(compile=True))
     assert ours.decode_compiled and out.completions[0].tokens == want

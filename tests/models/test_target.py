@@ -13,6 +13,7 @@ from blockspec.config import SamplingParams
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import load_target, save_target
+from blockspec import GenerateOptions
 from conftest import make_target
 
 HF = {
@@ -147,7 +148,7 @@ def test_compiled_decode_matches_eager_greedy():
     prompts = [[3, 4, 5], [7, 1, 2, 9, 4, 8]]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     eager = generate(target, prompts, params)
-    compiled = generate(target, prompts, params, compile=True)
+    compiled = generate(target, prompts, params, options=GenerateOptions(compile=True))
     assert target.decode_compiled
     assert [c.tokens for c in compiled.completions] == [c.tokens for c in eager.completions]
 

@@ -14,7 +14,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from blockspec import cli
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.models.checkpoint import load_target
 from blockspec.models.tokenizer import Tokenizer
 from chat_helpers import CHATS, FAMILIES, write_chat_tokenizer

@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from blockspec.decoding.engine import Engine  # noqa: E402
+from blockspec.engine.engine import Engine  # noqa: E402
 from blockspec.models.checkpoint import save_draft  # noqa: E402
 from blockspec.serving.api import ServerLimits, create_app  # noqa: E402
 from blockspec.serving.runner import server_for  # noqa: E402

@@ -8,10 +8,11 @@ import logging
 import sys
 import time
 
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.serving.api import create_app
 from blockspec.serving.runner import run_server
 from blockspec.serving.server import add_serve_arguments, build_engine
+from blockspec import EngineOptions
 
 STEP_S = 0.1
 
@@ -33,7 +34,7 @@ def main() -> None:
     logging.basicConfig(level="INFO", format="%(levelname)s: %(name)s: %(message)s")
     built, tokenizer, _ = build_engine(args)
     engine = SlowEngine(built.target, max_running=built.rows, max_model_len=built.max_model_len,
-                        kv_memory_gb=1.0, tokenizer=tokenizer)
+                        tokenizer=tokenizer, options=EngineOptions(kv_memory_gb=1.0))
     run_server(create_app(engine, tokenizer, "tiny"), "127.0.0.1", port, drain, "info")
 
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import load_target

@@ -23,16 +23,18 @@ import torch
 
 from blockspec.config import METHODS as GENERATE_METHODS, SamplingParams
 from blockspec.decoding.cost_table import CostTable, profile_cost_table
-from blockspec.decoding.engine import Engine
-from blockspec.decoding.generate import Timing, generate
+from blockspec.decoding.generate import GenerateOptions, Timing, generate
 from blockspec.decoding.output import RequestStats
-from blockspec.decoding.policy import FullWindow, RoundPolicy
+from blockspec.decoding.policy import PolicyOptions, RoundPolicy
+from blockspec.decoding.round import Forwards, WrappedForwards
+from blockspec.decoding.sampling import RowSampler, Verdict, sample
+from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.errors import BlockspecError
 from blockspec.loading import draft_kind
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
-__all__ = ["METHODS", "RunRecord", "Runner", "Arm", "BenchSetup", "accept_pattern", "build_arms"]
+__all__ = ["METHODS", "RunRecord", "Runner", "Arm", "BenchSetup", "ForcedAcceptance", "accept_pattern", "build_arms"]
 
 
 METHODS = (*GENERATE_METHODS, "hf", "dspark-scheduled")   # generate's methods plus the bench's own arms
@@ -94,7 +96,28 @@ def accept_pattern(tau: float, num_drafts: int, start: int = 0) -> Iterator[int]
     return pattern()
 
 
-@dataclass
+class ForcedAcceptance(WrappedForwards):
+    """Simulated acceptance (benchmarks only, NOT lossless): the round's forwards run as
+    `inner`'s, the acceptance rule still runs for its cost, and its verdict is replaced by
+    the next of `counts` for every row (clamped to what each row verified), the bonus
+    sampled after that prefix. Wraps generate's forwards (`GenerateOptions.forwards`) or
+    an engine's (`Engine.forwards`)."""
+
+    def __init__(self, inner: Forwards, counts: Iterator[int]) -> None:
+        super().__init__(inner)
+        self.counts = counts
+
+    def verdict(self, logits: torch.Tensor, drafts: torch.Tensor, probs: torch.Tensor | None, sampler: RowSampler,
+                num_drafts: torch.Tensor | None, rule: str) -> Verdict:
+        self.inner.verdict(logits, drafts, probs, sampler, num_drafts, rule)
+        rows = logits.shape[0]
+        verified = num_drafts if num_drafts is not None else torch.full((rows,), drafts.shape[1], device=logits.device)
+        forced = torch.minimum(torch.full((rows,), next(self.counts), device=logits.device), verified)
+        index = torch.arange(rows, device=logits.device)
+        return Verdict(forced, sample(logits[index, forced].unsqueeze(1), sampler)[0][:, 0])
+
+
+@dataclass(kw_only=True)
 class BenchSetup:
     """The loaded models and every option of one benchmark run."""
 
@@ -125,8 +148,7 @@ def _generate_runner(target: TargetModel, draft: DraftModel | None, method: str,
                      adaptive: bool = False) -> Runner:
     """The product path: `generate` exactly as users call it. adaptive: one adaptive
     policy learns across the arm's requests, as in a server (fixed: full windows)."""
-    policy = (RoundPolicy.for_method(target, draft, method, rows=1) if adaptive and draft is not None
-              else FullWindow(draft.config.num_drafts if draft is not None else 0))
+    policy = RoundPolicy.for_method(target, draft, method, PolicyOptions(adapt=adaptive), rows=1)
 
     def run(ids: list[int], params: SamplingParams) -> RunRecord:
         out = generate(target, [ids], params, draft=draft, method=method, rule=rule, policy=policy)
@@ -149,8 +171,9 @@ def _simulated_runner(target: TargetModel, draft: DraftModel, method: str, tau: 
         key = (tuple(ids), params.temperature, params.seed, params.max_new_tokens)
         first = key not in starts
         start = starts.setdefault(key, consumed)
+        forced = GenerateOptions(forwards=lambda inner: ForcedAcceptance(inner, accept_pattern(tau, g, start)))
         out = generate(target, [ids], params, draft=draft, method=method, rule=rule,
-                       forced_acceptance=accept_pattern(tau, g, start))
+                       policy=PolicyOptions(adapt=False), options=forced)
         completion = out.completions[0]
         if first:
             consumed += completion.stats.rounds
@@ -169,8 +192,8 @@ def _engine_timing(before: dict[str, Any], after: dict[str, Any]) -> Timing:
 def _scheduled_runner(target: TargetModel, draft: DraftModel, table: CostTable, max_model_len: int,
                       rule: str) -> Runner:
     """DSpark confidence-scheduled verification through the continuous-batching engine (batch 1)."""
-    engine = Engine(target, draft, method="dspark", scheduled=True, cost_table=table, max_running=1,
-                    max_model_len=max_model_len, rule=rule)
+    engine = Engine(target, draft, method="dspark", max_running=1, max_model_len=max_model_len,
+                    policy=PolicyOptions(scheduled=True, cost_table=table), options=EngineOptions(rule=rule))
 
     def run(ids: list[int], params: SamplingParams) -> RunRecord:
         before = engine.metrics()

@@ -12,7 +12,7 @@ from blockspec import embedded
 from blockspec.bench.arms import METHODS
 from blockspec.config import DRAFT_METHODS
 from blockspec.bench.report import render_markdown
-from blockspec.bench.run import run_bench
+from blockspec.bench.run import BenchOptions, run_bench
 from blockspec.errors import BlockspecError
 from blockspec.options import add_adapt_flag, add_device_flag, add_dtype_flag, add_rule_flag, add_target_flag
 
@@ -91,13 +91,13 @@ def _draft_dirs(args: argparse.Namespace) -> dict[str, Path | None]:
 def cmd_bench(args: argparse.Namespace) -> None:
     """`blockspec bench`: run, then print the Markdown table to stdout."""
     target = Path(args.target) if args.target else embedded.default_target()
-    results = run_bench(target, _draft_dirs(args), args.datasets, args.methods, args.temperatures,
-                        args.max_new_tokens, args.limit, args.block_sizes, args.repeats, args.out,
-                        args.simulate_accept, dtype=args.dtype, device=args.device, seed=args.seed,
-                        ignore_eos=args.ignore_eos, rule=args.rule, cost_table=args.cost_table,
-                        concurrency=args.concurrency, progress=args.progress, every=args.every,
-                        policies=(("adaptive",) if args.adapt else ()) + (("fixed",) if args.also_fixed or not args.adapt
-                                                                          else ()))
+    policies = (("adaptive",) if args.adapt else ()) + (("fixed",) if args.also_fixed or not args.adapt else ())
+    options = BenchOptions(methods=args.methods, temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
+                           limit=args.limit, block_sizes=args.block_sizes, repeats=args.repeats, out_dir=args.out,
+                           simulate_accept=args.simulate_accept, dtype=args.dtype, device=args.device,
+                           seed=args.seed, ignore_eos=args.ignore_eos, rule=args.rule, cost_table=args.cost_table,
+                           concurrency=args.concurrency, progress=args.progress, every=args.every, policies=policies)
+    results = run_bench(target, _draft_dirs(args), args.datasets, options)
     sys.stdout.write(render_markdown(results) + "\n")
     print(f"wrote {Path(args.out) / 'results.json'}, {Path(args.out) / 'results.md'} and "
           f"{len(results['plots'])} plot(s)", file=sys.stderr)

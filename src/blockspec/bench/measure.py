@@ -31,8 +31,9 @@ from blockspec.bench import plots
 from blockspec.bench.arms import Arm, BenchSetup, RunRecord
 from blockspec.config import SamplingParams
 from blockspec.decoding.acceptance import AcceptanceStats, RoundRecorder, calibration
-from blockspec.decoding.engine import Engine
-from blockspec.decoding.generate import Timing, generate
+from blockspec.decoding.generate import GenerateOptions, Timing, generate
+from blockspec.decoding.policy import PolicyOptions
+from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
@@ -128,7 +129,8 @@ def collect_calibration(target: TargetModel, draft: DraftModel, prompts: Sequenc
         raise BlockspecError("calibration needs a draft with a confidence head")
     recorder = RoundRecorder()
     for ids, p in zip(prompts, params):
-        generate(target, [ids], p, draft=draft, rule=rule, observer=recorder, adapt=False)
+        generate(target, [ids], p, draft=draft, rule=rule, policy=PolicyOptions(adapt=False),
+                 options=GenerateOptions(observer=recorder))
         if tick is not None:
             tick()
     pred, outcome = recorder.survival_outcomes()
@@ -162,9 +164,9 @@ def throughput_vs_concurrency(target: TargetModel, drafts: Mapping[str, DraftMod
         tps[name] = []
         method = name.removesuffix("-scheduled")
         for c in levels:
-            engine = Engine(target, draft, method=method, max_running=c, max_model_len=max_len,
-                            scheduled=name.endswith("-scheduled"),
-                            cost_table=scheduled_table if name.endswith("-scheduled") else None)
+            scheduled = name.endswith("-scheduled")
+            policy = PolicyOptions(scheduled=scheduled, cost_table=scheduled_table if scheduled else None)
+            engine = Engine(target, draft, method=method, max_running=c, max_model_len=max_len, policy=policy)
             batch = [list(prompts[i % len(prompts)]) for i in range(max(4, 2 * c))]
             sync(target.device)
             t0 = time.perf_counter()

@@ -13,6 +13,7 @@ import math
 import platform
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from blockspec.models.target import TargetModel
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.training.data import keep_end
 
-__all__ = ["run_bench"]
+__all__ = ["BenchOptions", "run_bench"]
 
 EncodedSets = dict[str, tuple[list[BenchPrompt], list[list[int]]]]   # dataset -> (prompts kept, token ids)
 
@@ -244,52 +245,79 @@ def _concurrency(setup: BenchSetup, prompt_ids: list[list[int]], levels: Sequenc
     return result, [path]
 
 
+@dataclass(frozen=True, kw_only=True)
+class BenchOptions:
+    """Every option of `run_bench`.
+
+    methods: subset of METHODS (default: ar + every method with a draft).
+    every: take every `every`-th prompt of each dataset (then the first `limit` of those).
+    block_sizes: draft block sizes to sweep, each in its draft's own layout convention
+    (default: as trained). simulate_accept: impose this tau (NOT lossless). policies: how
+    each speculative method runs, "adaptive" (the default policy) and / or "fixed" (full
+    windows). concurrency: engine throughput at these numbers of requests."""
+
+    methods: Sequence[str] | None = None
+    temperatures: Sequence[float] = (0.0,)
+    max_new_tokens: int = 128
+    limit: int | None = None
+    every: int = 1
+    block_sizes: Sequence[int] | None = None
+    repeats: int = 1
+    out_dir: str | Path = "runs/bench"
+    simulate_accept: float | None = None
+    dtype: str = "float32"
+    device: str | None = None
+    seed: int = 0
+    ignore_eos: bool = False
+    rule: str = "rejection"
+    cost_table: str | Path | None = None
+    concurrency: Sequence[int] | None = None
+    progress: bool = True
+    policies: Sequence[str] = ("adaptive",)
+
+
 def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
-              datasets: Sequence[str] | Mapping[str, Sequence[BenchPrompt]], methods: Sequence[str] | None = None,
-              temperatures: Sequence[float] = (0.0,), max_new_tokens: int = 128, limit: int | None = None,
-              block_sizes: Sequence[int] | None = None, repeats: int = 1, out_dir: str | Path = "runs/bench",
-              simulate_accept: float | None = None, *, dtype: str = "float32", device: str | None = None,
-              seed: int = 0, ignore_eos: bool = False, rule: str = "rejection",
-              cost_table: str | Path | None = None, concurrency: Sequence[int] | None = None,
-              progress: bool = True, every: int = 1, policies: Sequence[str] = ("adaptive",)) -> dict[str, Any]:
+              datasets: Sequence[str] | Mapping[str, Sequence[BenchPrompt]],
+              options: BenchOptions | None = None) -> dict[str, Any]:
     """Benchmark every method on every dataset and temperature; write JSON, Markdown and PNGs.
 
     drafts: {"dflash": DIR, "dspark": DIR} (either may be absent / None).
     datasets: specs for `datasets.load_dataset`, or {name: [BenchPrompt]}.
-    methods: subset of METHODS (default: ar + every method with a draft).
-    every: take every `every`-th prompt of each dataset (then the first `limit` of those).
-    block_sizes: draft block sizes to sweep, each in its draft's own layout
-    convention (default: as trained). policies: how each speculative method runs,
-    "adaptive" (the default policy) and / or "fixed" (full windows). Returns the
-    results dict (also in out_dir/results.json)."""
+    options: `BenchOptions`. Returns the results dict (also in out_dir/results.json)."""
+    o = options or BenchOptions()
+    temperatures, max_new_tokens, limit, every, rule = o.temperatures, o.max_new_tokens, o.limit, o.every, o.rule
+    block_sizes, repeats, policies, simulate_accept = o.block_sizes, o.repeats, o.policies, o.simulate_accept
     _check_args(temperatures, max_new_tokens, limit, repeats, block_sizes, rule, every)
     if not policies or any(p not in ("adaptive", "fixed") for p in policies):
         raise BlockspecError(f"policies must be 'adaptive' and / or 'fixed', got {list(policies)}")
     notes: list[str] = []
-    method_list = _resolve_methods(methods, drafts, notes)
-    dev = resolve_device(device)
-    target = load_target(Path(target_dir), dtype=dtype, device=dev)
-    loaded = load_drafts(target, drafts, method_list, dtype, dev)
+    method_list = _resolve_methods(o.methods, drafts, notes)
+    dev = resolve_device(o.device)
+    target = load_target(Path(target_dir), dtype=o.dtype, device=dev)
+    loaded = load_drafts(target, drafts, method_list, o.dtype, dev)
     tokenizer = Tokenizer(Path(target_dir))
     tokenizer.check_fits(target.config.vocab_size)
     sets = _encode_sets(datasets, tokenizer, limit, target, max_new_tokens, notes, every)
     max_model_len = max(len(ids) for _, prompt_ids in sets.values() for ids in prompt_ids) + max_new_tokens
-    setup = BenchSetup(Path(target_dir), target, loaded, method_list, list(block_sizes) if block_sizes else None,
-                       simulate_accept, rule, max_model_len, cost_table, [float(t) for t in temperatures],
-                       max_new_tokens, repeats, seed, ignore_eos, Path(out_dir), tuple(policies))
+    setup = BenchSetup(target_dir=Path(target_dir), target=target, drafts=loaded, methods=method_list,
+                       block_sizes=list(block_sizes) if block_sizes else None, simulate_accept=simulate_accept,
+                       rule=rule, max_model_len=max_model_len, cost_table=o.cost_table,
+                       temperatures=[float(t) for t in temperatures], max_new_tokens=max_new_tokens,
+                       repeats=repeats, seed=o.seed, ignore_eos=o.ignore_eos, out_dir=Path(o.out_dir),
+                       policies=tuple(policies))
     arms = build_arms(setup, notes)
     if simulate_accept is not None:
         notes.append(f"simulated acceptance: tau forced to {simulate_accept} per round; outputs are NOT lossless")
     rows: list[dict[str, Any]] = []
     try:
-        plot_files = _run_all(arms, sets, setup, tokenizer, progress, rows)
+        plot_files = _run_all(arms, sets, setup, tokenizer, o.progress, rows)
     except KeyboardInterrupt:   # keep what finished: the rows of every completed group
         notes.append(f"interrupted: {len(rows)} row(s) of the finished groups only")
         write_outputs({"meta": _meta(setup, drafts, sets, limit, every, notes), "rows": rows, "concurrency": None,
                        "plots": []}, setup.out_dir)
         print(f"interrupted: partial results in {setup.out_dir / 'results.json'}", file=sys.stderr)
         raise
-    conc, conc_plots = _concurrency(setup, next(iter(sets.values()))[1], concurrency, notes)
+    conc, conc_plots = _concurrency(setup, next(iter(sets.values()))[1], o.concurrency, notes)
     results = {"meta": _meta(setup, drafts, sets, limit, every, notes), "rows": rows, "concurrency": conc,
                "plots": [str(p) for p in plot_files + conc_plots]}
     write_outputs(results, setup.out_dir)

@@ -6,10 +6,11 @@ steps of `models/static_steps.py` on them: the target's decode / verify forward 
 [R, W] tokens and the draft's block and context forwards. Rows are padded up to a
 bucket (1, 2, 4, 8, 16, 32, then multiples of 32) so a few graphs serve every batch
 size; widths are whatever the round uses (1 for AR, g + 1 for verify, the block for
-the draft), so a generation compiles at most (buckets x 3) graphs. On CUDA the steps
-are compiled with `torch.compile(mode="reduce-overhead")` (CUDA graphs: one launch per
-step), elsewhere with plain inductor, or run eagerly (`compile=False`: the same static
-code, for tests).
+the draft), so a generation compiles at most (buckets x 3) graphs. On CUDA each step is
+captured into a CUDA graph of the eager static code ("graphs", the default: one launch
+per step), or compiled with `torch.compile(mode="reduce-overhead")` ("compile"); elsewhere
+it is compiled with plain inductor, or run eagerly (`compile=False`: the same static
+code, for tests). `CapturedForwards` is the round's forwards strategy over these steps.
 
 The buffers never move while graphs hold their addresses: the batch's caches are row
 views of them, finished rows are compacted in place (`keep_rows`), and a later
@@ -29,6 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from blockspec.decoding.round import Forwards
 from blockspec.errors import BlockspecError
 from blockspec.models import static_steps
 from blockspec.models.draft import DraftModel
@@ -250,6 +252,9 @@ class CapturedSteps:
     def context(self) -> "CapturedContext":
         return CapturedContext(self)
 
+    def forwards(self) -> "CapturedForwards":
+        return CapturedForwards(self)
+
 
 class CapturedContext:
     """The round's `DraftContext` over captured steps: features go to the draft at once."""
@@ -262,6 +267,27 @@ class CapturedContext:
 
     def add(self, features: torch.Tensor, counts: torch.Tensor) -> None:
         self.steps.append_context(features, counts)
+
+
+class CapturedForwards(Forwards):
+    """The round's forwards as captured steps (dense rows): the draft's block forward and the
+    target's verify forward run on the runner's buffers, and the commit sets the lengths
+    without reading them on the host (the static step left them alone)."""
+
+    def __init__(self, steps: CapturedSteps) -> None:
+        self.steps = steps
+
+    def draft_block(self, draft: DraftModel, block_ids: torch.Tensor, draft_cache: KVCache,
+                    embed: nn.Embedding) -> torch.Tensor:
+        return self.steps.block_hidden(draft, block_ids, draft_cache, embed)
+
+    def target_forward(self, target: TargetModel, cache: KVCache, anchors: torch.Tensor, drafts: torch.Tensor,
+                       num_drafts: torch.Tensor | None, capture: tuple[int, ...]
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.steps.target_forward(cache, torch.cat([anchors.unsqueeze(1), drafts], dim=1), capture)
+
+    def commit(self, cache: KVCache, start: torch.Tensor, accepted: torch.Tensor) -> None:
+        cache.lengths.copy_(start + accepted + 1)
 
 
 def captured_steps(target: TargetModel, draft: DraftModel | None, compile: bool | None = None) -> CapturedSteps:

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from blockspec.config import METHODS, SamplingParams
 from blockspec.decoding.acceptance import tau
-from blockspec.decoding.captured import captured_steps
+from blockspec.decoding.captured import CapturedSteps, captured_steps
+from blockspec.decoding.context import PendingContext
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
-from blockspec.decoding.policy import FullWindow, RoundPolicy
 from blockspec.decoding.penalties import LogitAdjust
-from blockspec.decoding.round import Prefilled, RoundInputs, RoundOutcome, prefill, speculative_round
+from blockspec.decoding.policy import PolicyOptions, RoundPolicy
+from blockspec.decoding.round import DENSE, Forwards, Prefilled, RoundInputs, RoundOutcome, prefill, speculative_round
 from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.slots import PendingContext
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
@@ -29,7 +29,7 @@ from blockspec.models.target import TargetModel
 # Target features a row may buffer before the draft must absorb them (AR stretches of the adaptive policy).
 PENDING_POSITIONS = 64
 
-__all__ = ["Completion", "GenerationOutput", "RequestStats", "RoundObserver", "Timing", "generate"]
+__all__ = ["Completion", "GenerateOptions", "GenerationOutput", "RequestStats", "RoundObserver", "Timing", "generate"]
 
 
 @dataclass
@@ -38,10 +38,6 @@ class Timing:
     draft_s: float = 0.0
     verify_s: float = 0.0
     rounds: int = 0
-
-    @property
-    def total_s(self) -> float:
-        return self.prefill_s + self.draft_s + self.verify_s
 
 
 @dataclass
@@ -84,28 +80,41 @@ def check_lengths(target: TargetModel, prompts: list[list[int]], params: list[Sa
                 f"{len(p) + sp.max_new_tokens} positions but the model supports {limit}")
 
 
-@torch.inference_mode()
-def generate(target: TargetModel, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-             draft: DraftModel | None = None, method: str | None = None, rule: str = "rejection",
-             on_tokens: Callable[[int, list[int]], None] | None = None, compile: bool = False, *,
-             tokenizer: Detokenizer | None = None, observer: RoundObserver | None = None,
-             forced_acceptance: Iterator[int] | None = None, adapt: bool = True,
-             policy: RoundPolicy | FullWindow | None = None) -> GenerationOutput:
-    """Generate for a batch of tokenised prompts. `on_tokens(row, tokens)` streams output.
+@dataclass(frozen=True, kw_only=True)
+class GenerateOptions:
+    """How `generate` runs and whom it tells.
 
     compile: speculative methods (and AR on CUDA) run the round's forwards as captured
     static-shape steps (decoding/captured.py: CUDA graphs on CUDA, inductor elsewhere); AR
     on the CPU runs the target's torch.compile'd one-token step (`TargetModel.compile_decode`).
     Both stay on the model for later calls.
     tokenizer: needed for stop strings (`SamplingParams.stop`); completions then carry text.
+    on_tokens(row, tokens): streams each row's new tokens.
     observer: sees every round's outcome (calibration, traces).
-    forced_acceptance: accepted-draft counts imposed round after round on every row
-    (the bench's simulated acceptance; NOT lossless; drafts the full window).
-    adapt (default): speculative methods run the adaptive policy
-    (`RoundPolicy.for_method`: the draft gate per temperature band, DSpark's
-    scheduler, the cost table measured once per machine and cached); off: every
-    round drafts and verifies the full window. policy: a policy to use (and keep
-    learning in) instead, e.g. one shared by successive calls as a server would."""
+    forwards: wraps the round's forwards strategy (`round.WrappedForwards`: the bench's
+    simulated acceptance, test oracles)."""
+
+    compile: bool = False
+    tokenizer: Detokenizer | None = None
+    on_tokens: Callable[[int, list[int]], None] | None = None
+    observer: RoundObserver | None = None
+    forwards: Callable[[Forwards], Forwards] | None = None
+
+
+@torch.inference_mode()
+def generate(target: TargetModel, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+             draft: DraftModel | None = None, method: str | None = None, rule: str = "rejection", *,
+             policy: RoundPolicy | PolicyOptions | None = None,
+             options: GenerateOptions | None = None) -> GenerationOutput:
+    """Generate for a batch of tokenised prompts.
+
+    policy: how rounds draft (`PolicyOptions`, built by `RoundPolicy.for_method`; default:
+    the adaptive policy, i.e. the draft gate per temperature band, DSpark's scheduler,
+    the cost table measured once per machine and cached; `PolicyOptions(adapt=False)`:
+    every round drafts and verifies the full window), or a `RoundPolicy` to use (and keep
+    learning in), e.g. one shared by successive calls as a server would.
+    options: compile, tokenizer, streaming and observers (`GenerateOptions`)."""
+    options = options or GenerateOptions()
     method = method or ("ar" if draft is None else ("dspark" if draft.config.is_dspark else "dflash"))
     check_method(method, draft)
     draft = None if method == "ar" else draft
@@ -115,55 +124,41 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     check_lengths(target, prompts, params)
     for sp in params:
         sp.check_vocab(target.config.vocab_size)
-    if forced_acceptance is not None and draft is None:
-        raise BlockspecError("forced acceptance needs a speculative method")
-    states = [RequestOutputState(p, target.config.eos_token_id, tokenizer) for p in params]
-    if policy is None:
-        policy = _default_policy(target, draft, method, len(prompts), adapt and forced_acceptance is None)
+    states = [RequestOutputState(p, target.config.eos_token_id, options.tokenizer) for p in params]
+    policy = RoundPolicy.of(policy, target, draft, method, len(prompts))
     # Rows in temperature-band order (greedy first): a round's drafting rows are a prefix.
     active = sorted(range(len(prompts)), key=lambda i: params[i].band)
-    batch = _start(target, draft, [prompts[i] for i in active], [params[i] for i in active],
-                   compile)
+    batch = _start(target, draft, [prompts[i] for i in active], [params[i] for i in active], options)
     timing = Timing(prefill_s=batch.prefill_s)
     first = batch.prefilled
     for i, (r, tok) in enumerate(zip(active, batch.inputs.anchors.tolist())):
         if first.prompt_logprobs is not None:
             states[r].prompt_logprobs = first.prompt_logprobs[i]
-        _emit(states[r], r, [tok], on_tokens, first.logprobs[i] if first.logprobs is not None else None)
+        _emit(states[r], r, [tok], options.on_tokens, first.logprobs[i] if first.logprobs is not None else None)
     while True:
-        kept = _drop_finished(batch.inputs, active, states)
+        kept = _drop_finished(batch, active, states)
         if not kept:
             break
         if kept != active or batch.inputs.bands is None:   # the batch changed: its rows' bands
             batch.inputs.bands = [params[r].band for r in kept]
         active = kept
-        forced = None
-        if forced_acceptance is not None:
-            forced = torch.full((len(active),), next(forced_acceptance), device=target.device)
         if batch.inputs.sampler.adjust is not None:   # the penalties count every token emitted so far
             batch.inputs.sampler.adjust = LogitAdjust.build(
                 [params[r] for r in active], [(prompts[r], states[r].tokens) for r in active],
                 target.config.vocab_size, target.device)
         t_round = time.perf_counter()
-        outcome = speculative_round(batch.inputs, policy, rule=rule, forced=forced)
+        outcome = speculative_round(batch.inputs, policy, rule=rule)
         timing.draft_s += outcome.draft_s
         timing.verify_s += outcome.plan_s + outcome.verify_s
         timing.rounds += 1
         for i, r in enumerate(active):
             states[r].record_round(outcome.verified[i], outcome.accepted[i])
-            _emit(states[r], r, outcome.new_tokens(i), on_tokens,
+            _emit(states[r], r, outcome.new_tokens(i), options.on_tokens,
                   outcome.logprobs[i] if outcome.logprobs is not None else None)
         policy.observe_time(len(active), outcome, time.perf_counter() - t_round)   # bookkeeping included
-        if observer is not None:
-            observer.on_round(outcome, active)
+        if options.observer is not None:
+            options.observer.on_round(outcome, active)
     return GenerationOutput([s.completion() for s in states], timing)
-
-
-def _default_policy(target: TargetModel, draft: DraftModel | None, method: str, rows: int,
-                    adapt: bool) -> RoundPolicy | FullWindow:
-    if draft is None or not adapt:
-        return FullWindow(draft.config.num_drafts if draft is not None else 0)
-    return RoundPolicy.for_method(target, draft, method, rows=rows)
 
 
 @dataclass
@@ -171,15 +166,17 @@ class _Batch:
     inputs: RoundInputs
     prefill_s: float
     prefilled: Prefilled
+    captured: CapturedSteps | None   # the static steps' runner, owner of the caches (compile)
 
 
 def _start(target: TargetModel, draft: DraftModel | None, prompts: list[list[int]], params: list[SamplingParams],
-           compile: bool) -> _Batch:
+           options: GenerateOptions) -> _Batch:
     """Allocate the caches for the whole generation and prefill every prompt."""
     width = draft.config.block_size + 1 if draft is not None else 1
     capacity = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)) + width + 1
     # compile: speculative rounds (every round on CUDA) run as captured static steps
     # (decoding/captured.py); CPU AR keeps its tuned compiled decode step.
+    compile = options.compile
     captured = captured_steps(target, draft) if compile and (draft is not None or target.device.type == "cuda") else None
     if compile and captured is None:
         target.compile_decode()
@@ -203,8 +200,11 @@ def _start(target: TargetModel, draft: DraftModel | None, prompts: list[list[int
                if draft is not None and draft_cache is not None else None)
     if captured is not None and draft is not None:
         context = captured.context()
-    return _Batch(RoundInputs(target, draft, cache, draft_cache, context, done.anchors, sampler, captured=captured),
-                  time.perf_counter() - t0, done)
+    forwards = captured.forwards() if captured is not None else DENSE
+    if options.forwards is not None:
+        forwards = options.forwards(forwards)
+    return _Batch(RoundInputs(target, draft, cache, draft_cache, context, done.anchors, sampler, forwards=forwards),
+                  time.perf_counter() - t0, done, captured)
 
 
 def _emit(state: RequestOutputState, row: int, tokens: list[int],
@@ -214,16 +214,17 @@ def _emit(state: RequestOutputState, row: int, tokens: list[int],
         on_tokens(row, delta.tokens)
 
 
-def _drop_finished(batch: RoundInputs, active: list[int], states: list[RequestOutputState]) -> list[int]:
+def _drop_finished(owner: _Batch, active: list[int], states: list[RequestOutputState]) -> list[int]:
     """Finished rows leave the batch: caches, sampler and anchors keep the others."""
+    batch = owner.inputs
     keep = [i for i, r in enumerate(active) if not states[r].finished]
     if len(keep) == len(active) or not keep:
         return [active[i] for i in keep]
     index = torch.tensor(keep, device=batch.anchors.device)
     if batch.context is not None:   # buffered draft context leaves the buffer before rows move
         batch.context.flush(len(active))
-    if batch.captured is not None:   # its buffers stay put: compiled graphs hold their addresses
-        batch.cache, batch.draft_cache = batch.captured.keep_rows(keep)
+    if owner.captured is not None:   # its buffers stay put: compiled graphs hold their addresses
+        batch.cache, batch.draft_cache = owner.captured.keep_rows(keep)
     else:
         batch.cache.keep_rows(index)
         if batch.draft_cache is not None:

@@ -4,14 +4,17 @@ drafts each row verifies, and what each round teaches.
 `RoundPolicy` owns DSpark's planner (`planner.plan`), the draft gate
 (`gate.DraftGate`: draft or not, which temperature bands, how long a block),
 online recalibration of the confidence head (`ConfidenceCalibration`) and the
-DSpark early stop. `RoundPolicy.adaptive` is the default of every speculative
-path; `FullWindow` is plain speculative decoding (`--no-adapt`).
+DSpark early stop. Every decoding path (generate, the engine, the server, the bench)
+builds its policy from one `PolicyOptions` with one factory (`RoundPolicy.for_method`):
+adaptive by default; `PolicyOptions(adapt=False)` is plain speculative decoding (every
+row drafts and verifies the full window: `--no-adapt`).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -67,37 +70,40 @@ class ConfidenceCalibration:
 
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PolicyOptions:
+    """How a decoding loop chooses its drafts (`RoundPolicy.for_method`), for every path.
+
+    adapt (the default): without a cost table, the one of this machine and model pair
+    comes from the cache (measured the first time: `table_cache.cached_cost_table`);
+    scheduled (None) is then on for DSpark with a confidence head and draft_gate (None)
+    for every speculative method. adapt off: fixed windows unless scheduled /
+    draft_gate say otherwise. cost_table: the verify / draft costs to plan with;
+    min_survival: DSpark's planner floor; gate_feedback: the gate scales the table by
+    measured round times; calibrate: rescale confidences online (scheduled only)."""
+
+    adapt: bool = True
+    scheduled: bool | None = None
+    draft_gate: bool | None = None
+    cost_table: CostTable | None = None
+    min_survival: float = 0.02
+    gate_feedback: bool = True
+    calibrate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.cost_table is not None and not (self.adapt or self.scheduled or self.draft_gate):
+            raise BlockspecError("a cost table is used by the adaptive policy, scheduled verification and the "
+                                 "draft gate only; drop --no-adapt or add --scheduled / --draft-gate")
+        if self.draft_gate and self.cost_table is None and not self.adapt:
+            raise BlockspecError("--draft-gate with --no-adapt needs --cost-table (blockspec profile --draft ...)")
+
+
 # DSpark's early stop pays only for a few rows: with this many or more, all of them
 # rarely fall below the floor together, and slot-by-slot lm_head calls and checks
 # cost more than one lm_head call for the block (`plan` applies the floor anyway).
 EARLY_STOP_ROWS = 8
 # AR rounds the gate measures before its first decision (with round times fed back).
 WARM_AR_ROUNDS = 3
-
-
-class FullWindow:
-    """Plain speculative decoding: every row drafts the whole block and verifies all of it."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-
-    def decide(self, bands: Sequence[int]) -> tuple[int, int]:
-        return len(bands), self.window
-
-    def stop_below(self, rows: int) -> float:
-        return 0.0
-
-    def confidence_map(self) -> ConfidenceMap | None:
-        return None
-
-    def plan(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
-        return None
-
-    def observe(self, outcome: RoundOutcome, proposal: Proposal | None, lens: torch.Tensor | None) -> None:
-        pass
-
-    def observe_time(self, rows: int, outcome: RoundOutcome, seconds: float) -> None:
-        pass
 
 
 class RoundPolicy:
@@ -132,23 +138,19 @@ class RoundPolicy:
         self._drafted_last = True     # the previous round drafted (no AR stretch behind it)
 
     @classmethod
-    def for_method(cls, target: TargetModel, draft: DraftModel | None, method: str, table: CostTable | None = None,
-                   *, adapt: bool = True, rows: int = 1, scheduled: bool | None = None,
-                   draft_gate: bool | None = None, min_survival: float = 0.02, gate_feedback: bool = True,
-                   calibrate: bool = True) -> "RoundPolicy":
-        """The policy of a decoding loop running `method` (draft None for AR) over up to
-        `rows` rows. adapt (the default): without a table, the cost table of this machine
-        and model pair comes from the cache (measured the first time:
-        `table_cache.cached_cost_table`); scheduled (None) is on for DSpark with a
-        confidence head and draft_gate (None) for every speculative method. adapt off:
-        fixed windows unless scheduled / draft_gate say otherwise. Checks that the table
-        was measured for this target."""
+    def for_method(cls, target: TargetModel, draft: DraftModel | None, method: str,
+                   options: PolicyOptions | None = None, *, rows: int = 1) -> "RoundPolicy":
+        """The one factory: the policy of a decoding loop running `method` (draft None for
+        AR) over up to `rows` rows, as `options` say (`PolicyOptions`; default: adaptive).
+        Checks that the table was measured for this target."""
+        options = options or PolicyOptions()
+        table, scheduled, draft_gate = options.cost_table, options.scheduled, options.draft_gate
         speculative = draft is not None and method != "ar"
-        if adapt and speculative and table is None:
+        if options.adapt and speculative and table is None:
             assert draft is not None
             table = cached_cost_table(target, draft, rows)
         if scheduled is None:
-            scheduled = (adapt and speculative and method == "dspark" and draft is not None
+            scheduled = (options.adapt and speculative and method == "dspark" and draft is not None
                          and draft.confidence_head is not None and table is not None)
         if scheduled:
             if method != "dspark" or draft is None or draft.confidence_head is None:
@@ -157,12 +159,24 @@ class RoundPolicy:
             if table is None:
                 warnings.warn("scheduled=True without a cost table: every draft is verified", stacklevel=4)
         if draft_gate is None:
-            draft_gate = (adapt or scheduled) and speculative and table is not None and table.has_draft_times
+            draft_gate = ((options.adapt or scheduled) and speculative and table is not None
+                          and table.has_draft_times)
         if table is not None and (scheduled or draft_gate):
             table.check_target(target)
         window = draft.config.num_drafts if speculative and draft is not None else 0
-        return cls(window, table, scheduled=scheduled, gate=draft_gate, min_survival=min_survival,
-                   gate_feedback=gate_feedback, calibrate=calibrate)
+        return cls(window, table, scheduled=scheduled, gate=draft_gate, min_survival=options.min_survival,
+                   gate_feedback=options.gate_feedback, calibrate=options.calibrate)
+
+    @classmethod
+    def of(cls, policy: "RoundPolicy | PolicyOptions | None", target: TargetModel, draft: DraftModel | None,
+           method: str, rows: int = 1) -> "RoundPolicy":
+        """`policy` itself (one that keeps learning across calls), or the one `for_method`
+        builds from these options (None: the defaults)."""
+        if isinstance(policy, RoundPolicy):
+            return policy
+        if policy is not None and not isinstance(policy, PolicyOptions):
+            raise BlockspecError(f"policy must be a RoundPolicy or PolicyOptions, got {type(policy).__name__}")
+        return cls.for_method(target, draft, method, policy, rows=rows)
 
     @property
     def scheduled(self) -> bool:
@@ -171,6 +185,15 @@ class RoundPolicy:
     @property
     def adaptive(self) -> bool:
         return self.gate is not None
+
+    @property
+    def fixed(self) -> bool:
+        """Plain speculative decoding: every row drafts and verifies the whole window."""
+        return self.gate is None and self.table is None
+
+    def metrics(self) -> dict[str, bool]:
+        """What this policy runs, for an engine's metrics."""
+        return {"scheduled": self.scheduled, "draft_gate": self.gate is not None}
 
     def decide(self, bands: Sequence[int]) -> tuple[int, int]:
         """(first k rows that draft, block length): rows come ordered by temperature band."""
@@ -203,7 +226,7 @@ class RoundPolicy:
         """Drafts each of the `rows` running requests verifies (zero for those that did
         not draft; None in an AR round); `block`: the drafted block's length (its draft
         time is spent)."""
-        if proposal is None:
+        if proposal is None or self.fixed:   # fixed: every row verifies its whole proposal
             return None
         k, g = proposal.tokens.shape
         lens = torch.zeros(rows, dtype=torch.long, device=proposal.tokens.device)

@@ -6,9 +6,15 @@ slot by slot) -> the policy's plan (how many drafts each row verifies) ->
 `verify_and_commit` (one target forward over [anchor, drafts], the acceptance
 rule, the caches rolled back to the accepted prefix) -> the accepted rows'
 target features handed to the draft context. `speculative_round` runs those
-steps under a `RoundPolicy`; `generate`, the engine, the bench (forced
-acceptance) and calibration (observers of `generate`) all call it. AR
-decoding is the same round with zero drafts.
+steps under a `Policy` (decoding/policy.py); `generate`, the engine, the bench and
+calibration (observers of `generate`) all call it. AR decoding is the same round
+with zero drafts.
+
+How the models run is one strategy object carried in the round's inputs
+(`Forwards`): dense eager forwards (generate), one packed ragged target forward
+(`PackedForwards`: the engine) or captured static steps (`captured.CapturedForwards`).
+Whoever needs to see or change a round's steps wraps that object (`WrappedForwards`):
+the bench's simulated acceptance, the tests' oracles.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
+from torch import nn
 
 from blockspec.config import temperature_band
-from blockspec.decoding.captured import CapturedSteps
+from blockspec.decoding.context import DraftContext
 from blockspec.decoding.logprobs import TokenLogprob, prompt_logprobs, row_logprobs
 from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify
 from blockspec.models.draft import DraftModel
@@ -126,46 +133,6 @@ def first_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampler: RowSampl
 
 # -- propose ------------------------------------------------------------------------
 
-def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
-            sampler: RowSampler, num_drafts: int | None = None, *, stop_below: float = 0.0,
-            confidence_map: ConfidenceMap | None = None, captured: CapturedSteps | None = None) -> Proposal:
-    """One draft forward for the whole block, then sampling of g drafts.
-
-    num_drafts: draft a shorter block than trained (g < the draft's window; the
-    block holds the anchor and g - 1 or g mask slots by layout), which costs less
-    per row. confidence_map: what the policy plans with, from the head's raw
-    confidences (online recalibration); the proposal carries both. stop_below
-    (DSpark with a confidence head): stop drafting at the first slot where every
-    row's prefix survival, as the policy computes it, is below it (the policy
-    never admits such slots, so they need no logits); the proposal is then
-    shorter than g. captured: run the block forward as its static (compiled) step."""
-    cfg = draft.config
-    g = cfg.num_drafts if num_drafts is None else num_drafts
-    if not 1 <= g <= cfg.num_drafts:
-        raise ValueError(f"num_drafts must be in 1..{cfg.num_drafts}, got {g}")
-    block = torch.full((anchors.shape[0], cfg.first_draft_slot + g), cfg.mask_token_id, dtype=torch.long,
-                       device=anchors.device)
-    block[:, 0] = anchors
-    if captured is not None:
-        hidden = captured.block_hidden(draft, block, draft_cache, target.embed_tokens)
-    else:
-        hidden = draft.block_hidden(block, draft_cache, target.embed_tokens)
-    slots = hidden[:, cfg.first_draft_slot:cfg.first_draft_slot + g]
-    if draft.markov_head is None:
-        base = target.lm_head(slots.to(target.dtype)).float()
-        tokens, probs = (argmax_last(base), None) if sampler.all_greedy else sample(base, sampler)
-        prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
-        raw = draft.confidence(slots, prev) if draft.confidence_head is not None else None
-        return _proposal(tokens, probs, raw, confidence_map)
-    early_stop = stop_below > 0 and draft.confidence_head is not None
-    tokens, probs, raw = _markov_drafts(draft, target, slots, anchors, sampler, g,
-                                        stop_below if early_stop else 0.0, confidence_map)
-    if raw is None and draft.confidence_head is not None:
-        prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
-        raw = draft.confidence(slots, prev)
-    return _proposal(tokens, probs, raw, confidence_map)
-
-
 def _proposal(tokens: torch.Tensor, probs: torch.Tensor | None, raw: torch.Tensor | None,
               confidence_map: ConfidenceMap | None) -> Proposal:
     planned = raw if raw is None or confidence_map is None else confidence_map(raw, 0)
@@ -212,58 +179,6 @@ def _markov_drafts(draft: DraftModel, target: TargetModel, slots: torch.Tensor, 
 
 # -- verify and commit --------------------------------------------------------------
 
-def verify_and_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor, proposal: Proposal | None,
-                      sampler: RowSampler, *, num_drafts: torch.Tensor | None = None,
-                      capture: tuple[int, ...] = (), rule: str = "rejection", packed: bool = False,
-                      forced: torch.Tensor | None = None, captured: CapturedSteps | None = None
-                      ) -> tuple[Verdict, torch.Tensor | None]:
-    """Target forward over [anchor, drafts]; keep the accepted prefix in the target cache.
-
-    num_drafts [R]: drafts each row verifies (default all; the rest count as not
-    proposed). packed: one ragged forward (`TargetModel.forward_packed`) in which
-    row r runs only its anchor and first num_drafts[r] drafts (the engine);
-    otherwise a dense [R, g+1] forward (or the one-token decode step for AR).
-    forced [R]: impose the accepted counts (the bench's simulated acceptance: the
-    rule still runs for its cost, its verdict is discarded, not lossless).
-    captured (dense only): the forward runs as the static (compiled) target step and
-    the commit sets the lengths without reading them on the host.
-    Returns the verdict and, with `capture`, the target features of each row's new
-    tokens [R, W, F] (row r's first accepted[r] + 1 are the kept ones): the
-    draft's next context."""
-    r = anchors.shape[0]
-    start = cache.lengths.clone()
-    drafts = proposal.tokens if proposal is not None else anchors.new_zeros(r, 0)
-    probs = proposal.probs if proposal is not None else None
-    if packed:
-        g = int(num_drafts.max()) if num_drafts is not None and r else drafts.shape[1]
-        drafts, probs = drafts[:, :g], None if probs is None else probs[:, :g]
-        counts = num_drafts if num_drafts is not None else torch.full_like(anchors, g)
-        logits, features = _packed_forward(target, cache, anchors, drafts, counts, capture)
-    elif captured is not None:
-        logits, features = captured.target_forward(cache, torch.cat([anchors.unsqueeze(1), drafts], dim=1), capture)
-    elif proposal is None and not capture:
-        logits, features = target.decode_step(anchors, cache), None
-    else:
-        out = target(torch.cat([anchors.unsqueeze(1), drafts], dim=1), cache, capture=capture)
-        logits, features = out.logits, out.features
-    raw = logits
-    logits = sampler.adjusted(logits, drafts)   # penalties: the target's distribution itself changes
-    verdict = verify(logits, drafts, probs, sampler, num_drafts, rule)
-    if forced is not None:
-        rows = torch.arange(r, device=logits.device)
-        verdict = Verdict(forced, sample(logits[rows, forced].unsqueeze(1), sampler)[0][:, 0])
-    if sampler.logprobs is not None:
-        committed = torch.cat([drafts, drafts.new_zeros(r, 1)], dim=1)
-        committed.scatter_(1, verdict.accepted.unsqueeze(1), verdict.bonus.unsqueeze(1))
-        verdict.logprobs = row_logprobs(raw, committed, (verdict.accepted + 1).tolist(), sampler.logprobs)
-    # Keep anchor + accepted drafts; the bonus gets its KV when it is the next anchor.
-    if captured is not None and not packed:   # the static step left the lengths alone
-        cache.lengths.copy_(start + verdict.accepted + 1)
-    else:
-        cache.truncate(start + verdict.accepted + 1)
-    return verdict, features
-
-
 def _packed_forward(target: TargetModel, cache: KVCache, anchors: torch.Tensor, drafts: torch.Tensor,
                     counts: torch.Tensor, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Row r runs [anchor, d_1..d_counts[r]] in one ragged forward; back to [R, g+1, V]
@@ -282,21 +197,165 @@ def _packed_forward(target: TargetModel, cache: KVCache, anchors: torch.Tensor, 
     return logits, features
 
 
+# -- the forwards strategy ------------------------------------------------------
+
+class Forwards:
+    """The round's model forwards, dense and eager (generate's default): the draft's block
+    forward, one target forward over [R, g+1] (the one-token decode step for AR), the
+    acceptance rule, the commit. `propose` and `verify_and_commit` are the round's two
+    halves built from those steps; subclasses and wrappers replace steps, not the round."""
+
+    def draft_block(self, draft: DraftModel, block_ids: torch.Tensor, draft_cache: KVCache,
+                    embed: nn.Embedding) -> torch.Tensor:
+        """`DraftModel.block_hidden`: [R, S] -> [R, S, H]."""
+        return draft.block_hidden(block_ids, draft_cache, embed)
+
+    def width(self, drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> int:
+        """Drafts per row the verify forward spans."""
+        return drafts.shape[1]
+
+    def target_forward(self, target: TargetModel, cache: KVCache, anchors: torch.Tensor, drafts: torch.Tensor,
+                       num_drafts: torch.Tensor | None, capture: tuple[int, ...]
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [R, g+1, V] (and with `capture` features [R, g+1, F]) of [anchor, drafts]."""
+        if drafts.shape[1] == 0 and not capture:
+            return target.decode_step(anchors, cache), None
+        out = target(torch.cat([anchors.unsqueeze(1), drafts], dim=1), cache, capture=capture)
+        return out.logits, out.features
+
+    def verdict(self, logits: torch.Tensor, drafts: torch.Tensor, probs: torch.Tensor | None, sampler: RowSampler,
+                num_drafts: torch.Tensor | None, rule: str) -> Verdict:
+        """The acceptance rule (`sampling.verify`)."""
+        return verify(logits, drafts, probs, sampler, num_drafts, rule)
+
+    def commit(self, cache: KVCache, start: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Keep anchor + accepted drafts; the bonus gets its KV when it is the next anchor."""
+        cache.truncate(start + accepted + 1)
+
+    def propose(self, draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
+                    sampler: RowSampler, num_drafts: int | None = None, stop_below: float = 0.0,
+                    confidence_map: ConfidenceMap | None = None) -> Proposal:
+        """One draft forward for the whole block, then sampling of g drafts.
+
+        num_drafts: draft a shorter block than trained (g < the draft's window; the
+        block holds the anchor and g - 1 or g mask slots by layout), which costs less
+        per row. confidence_map: what the policy plans with, from the head's raw
+        confidences (online recalibration); the proposal carries both. stop_below
+        (DSpark with a confidence head): stop drafting at the first slot where every
+        row's prefix survival, as the policy computes it, is below it (the policy
+        never admits such slots, so they need no logits); the proposal is then
+        shorter than g."""
+        cfg = draft.config
+        g = cfg.num_drafts if num_drafts is None else num_drafts
+        if not 1 <= g <= cfg.num_drafts:
+            raise ValueError(f"num_drafts must be in 1..{cfg.num_drafts}, got {g}")
+        block = torch.full((anchors.shape[0], cfg.first_draft_slot + g), cfg.mask_token_id, dtype=torch.long,
+                           device=anchors.device)
+        block[:, 0] = anchors
+        hidden = self.draft_block(draft, block, draft_cache, target.embed_tokens)
+        slots = hidden[:, cfg.first_draft_slot:cfg.first_draft_slot + g]
+        if draft.markov_head is None:
+            base = target.lm_head(slots.to(target.dtype)).float()
+            tokens, probs = (argmax_last(base), None) if sampler.all_greedy else sample(base, sampler)
+            prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
+            raw = draft.confidence(slots, prev) if draft.confidence_head is not None else None
+            return _proposal(tokens, probs, raw, confidence_map)
+        early_stop = stop_below > 0 and draft.confidence_head is not None
+        tokens, probs, raw = _markov_drafts(draft, target, slots, anchors, sampler, g,
+                                            stop_below if early_stop else 0.0, confidence_map)
+        if raw is None and draft.confidence_head is not None:
+            prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
+            raw = draft.confidence(slots, prev)
+        return _proposal(tokens, probs, raw, confidence_map)
+
+    def verify_and_commit(self, target: TargetModel, cache: KVCache, anchors: torch.Tensor,
+                          proposal: Proposal | None, sampler: RowSampler, num_drafts: torch.Tensor | None = None,
+                          capture: tuple[int, ...] = (), rule: str = "rejection"
+                          ) -> tuple[Verdict, torch.Tensor | None]:
+        """Target forward over [anchor, drafts]; keep the accepted prefix in the target cache.
+
+        num_drafts [R]: drafts each row verifies (default all; the rest count as not
+        proposed). Returns the verdict and, with `capture`, the target features of each
+        row's new tokens [R, W, F] (row r's first accepted[r] + 1 are the kept ones):
+        the draft's next context."""
+        start = cache.lengths.clone()
+        drafts = proposal.tokens if proposal is not None else anchors.new_zeros(anchors.shape[0], 0)
+        probs = proposal.probs if proposal is not None else None
+        g = self.width(drafts, num_drafts)
+        drafts, probs = drafts[:, :g], None if probs is None else probs[:, :g]
+        raw, features = self.target_forward(target, cache, anchors, drafts, num_drafts, capture)
+        logits = sampler.adjusted(raw, drafts)   # penalties: the target's distribution itself changes
+        verdict = self.verdict(logits, drafts, probs, sampler, num_drafts, rule)
+        if sampler.logprobs is not None:
+            committed = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)
+            committed.scatter_(1, verdict.accepted.unsqueeze(1), verdict.bonus.unsqueeze(1))
+            verdict.logprobs = row_logprobs(raw, committed, (verdict.accepted + 1).tolist(), sampler.logprobs)
+        self.commit(cache, start, verdict.accepted)
+        return verdict, features
+
+
+class PackedForwards(Forwards):
+    """The engine's: one ragged target forward (`TargetModel.forward_packed`) in which row r
+    runs only its anchor and first num_drafts[r] drafts."""
+
+    def width(self, drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> int:
+        return int(num_drafts.max()) if num_drafts is not None and drafts.shape[0] else drafts.shape[1]
+
+    def target_forward(self, target: TargetModel, cache: KVCache, anchors: torch.Tensor, drafts: torch.Tensor,
+                       num_drafts: torch.Tensor | None, capture: tuple[int, ...]
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        counts = num_drafts if num_drafts is not None else torch.full_like(anchors, drafts.shape[1])
+        return _packed_forward(target, cache, anchors, drafts, counts, capture)
+
+
+class WrappedForwards(Forwards):
+    """Forwards that run another's steps (`inner`); subclasses replace the ones they watch or change."""
+
+    def __init__(self, inner: Forwards) -> None:
+        self.inner = inner
+
+    def draft_block(self, draft: DraftModel, block_ids: torch.Tensor, draft_cache: KVCache,
+                    embed: nn.Embedding) -> torch.Tensor:
+        return self.inner.draft_block(draft, block_ids, draft_cache, embed)
+
+    def width(self, drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> int:
+        return self.inner.width(drafts, num_drafts)
+
+    def target_forward(self, target: TargetModel, cache: KVCache, anchors: torch.Tensor, drafts: torch.Tensor,
+                       num_drafts: torch.Tensor | None, capture: tuple[int, ...]
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.inner.target_forward(target, cache, anchors, drafts, num_drafts, capture)
+
+    def verdict(self, logits: torch.Tensor, drafts: torch.Tensor, probs: torch.Tensor | None, sampler: RowSampler,
+                num_drafts: torch.Tensor | None, rule: str) -> Verdict:
+        return self.inner.verdict(logits, drafts, probs, sampler, num_drafts, rule)
+
+    def commit(self, cache: KVCache, start: torch.Tensor, accepted: torch.Tensor) -> None:
+        self.inner.commit(cache, start, accepted)
+
+
+DENSE = Forwards()
+
+
+def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
+            sampler: RowSampler, num_drafts: int | None = None, *, stop_below: float = 0.0,
+            confidence_map: ConfidenceMap | None = None) -> Proposal:
+    """`Forwards.propose` with dense eager forwards (profiling, tests)."""
+    return DENSE.propose(draft, target, draft_cache, anchors, sampler, num_drafts, stop_below, confidence_map)
+
+
+def verify_and_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor, proposal: Proposal | None,
+                      sampler: RowSampler, *, num_drafts: torch.Tensor | None = None,
+                      capture: tuple[int, ...] = (), rule: str = "rejection") -> tuple[Verdict, torch.Tensor | None]:
+    """`Forwards.verify_and_commit` with dense eager forwards (profiling, tests)."""
+    return DENSE.verify_and_commit(target, cache, anchors, proposal, sampler, num_drafts, capture, rule)
+
+
 # -- the round ----------------------------------------------------------------------
 
-class DraftContext(Protocol):
-    """Where committed tokens' target features become draft context K/V."""
-
-    def flush(self, rows: int) -> None:
-        """The first `rows` rows are about to draft: their context must be complete."""
-
-    def add(self, features: torch.Tensor, counts: torch.Tensor) -> None:
-        """Row r (of the first features.shape[0]) committed the tokens of its first counts[r] features."""
-
-
-class RoundPolicy(Protocol):
-    """Drafting decisions of a round (decoding/policy.py): who drafts how long a block,
-    how many drafts each row verifies, and what the round taught."""
+class Policy(Protocol):
+    """What the round asks of its policy (`policy.RoundPolicy`): who drafts how long a
+    block, how many drafts each row verifies, and what the round taught."""
 
     def decide(self, bands: Sequence[int]) -> tuple[int, int]:
         """(first k rows that draft, block length in drafts) for rows of these temperature
@@ -313,6 +372,9 @@ class RoundPolicy(Protocol):
 
     def observe(self, outcome: "RoundOutcome", proposal: Proposal | None, lens: torch.Tensor | None) -> None:
         """The finished round (lens: what `plan` returned)."""
+
+    def observe_time(self, rows: int, outcome: "RoundOutcome", seconds: float) -> None:
+        """The finished round's wall time, the caller's bookkeeping included."""
 
 
 @dataclass
@@ -349,15 +411,14 @@ class RoundInputs:
     anchors: torch.Tensor
     sampler: RowSampler
     bands: list[int] | None = None   # each row's temperature band (None: read from the sampler)
-    captured: CapturedSteps | None = None   # run the forwards as static (compiled) steps on its caches
+    forwards: Forwards = DENSE       # how the models run (dense, packed, captured; wrapped by the bench / tests)
 
 
-def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "rejection", packed: bool = False,
-                      forced: torch.Tensor | None = None) -> RoundOutcome:
+def speculative_round(batch: RoundInputs, policy: Policy, *, rule: str = "rejection") -> RoundOutcome:
     """Draft (the first k rows, one draft forward), plan, verify (one target forward),
     commit to both caches, and let the policy observe the round."""
     t_start = time.perf_counter()
-    draft, target, anchors, sampler = batch.draft, batch.target, batch.anchors, batch.sampler
+    draft, target, anchors, sampler, forwards = batch.draft, batch.target, batch.anchors, batch.sampler, batch.forwards
     r = anchors.shape[0]
     bands = batch.bands if batch.bands is not None else [temperature_band(t) for t in sampler.temperature.tolist()]
     k, block = policy.decide(bands) if draft is not None else (0, 0)
@@ -369,23 +430,16 @@ def speculative_round(batch: RoundInputs, policy: RoundPolicy, *, rule: str = "r
         context_s = time.perf_counter() - t_context
         sub = sampler if k == r else sampler.select(list(range(k)))
         cache = batch.draft_cache if k == r else batch.draft_cache.slice_rows(0, k)
-        proposal = propose(draft, target, cache, anchors[:k], sub, num_drafts=block,
-                           stop_below=policy.stop_below(k), confidence_map=policy.confidence_map(),
-                           # only when set: wrappers of propose's older signature keep working
-                           **({"captured": batch.captured} if batch.captured is not None else {}))
+        proposal = forwards.propose(draft, target, cache, anchors[:k], sub, block, policy.stop_below(k),
+                                    policy.confidence_map())
     t_drafted = time.perf_counter()
     lens = policy.plan(proposal, r, block)
     if proposal is not None and k < r:
         proposal = pad_rows(proposal, r, None if sampler.all_greedy else target.config.vocab_size)
     t_planned = time.perf_counter()
     capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
-    if forced is not None:   # simulated acceptance never exceeds what a row verified
-        verified_now = lens if lens is not None else torch.full_like(
-            forced, proposal.tokens.shape[1] if proposal is not None else 0)
-        forced = torch.minimum(forced, verified_now)
-    verdict, features = verify_and_commit(target, batch.cache, anchors, proposal, sampler, num_drafts=lens,
-                                          capture=capture, rule=rule, packed=packed, forced=forced,
-                                          captured=None if packed else batch.captured)
+    verdict, features = forwards.verify_and_commit(target, batch.cache, anchors, proposal, sampler, lens, capture,
+                                                   rule)
     if features is not None:
         assert batch.context is not None
         batch.context.add(features, verdict.accepted + 1)

@@ -103,7 +103,7 @@ class KVCache:
     def reset(self) -> None:
         self.lengths.zero_()
 
-    # -- slot-pool operations (continuous batching, decoding/engine.py) ------------
+    # -- slot-pool operations (continuous batching, engine/engine.py) ------------
     def slice_rows(self, start: int, stop: int) -> "KVCache":
         """A cache over rows start..stop-1 that shares storage (and lengths) with this one.
 

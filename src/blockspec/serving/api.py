@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blockspec.config import GenerationDefaults
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.models.template_sandbox import WORKERS as TEMPLATE_WORKERS
 from blockspec.models.tokenizer import Tokenizer

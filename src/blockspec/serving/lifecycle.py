@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.models.template_sandbox import WORKERS as TEMPLATE_WORKERS
 from blockspec.serving.protocol import ApiError

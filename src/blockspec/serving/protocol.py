@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
 from blockspec.config import GenerationDefaults, SamplingParams
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.models.tokenizer import Tokenizer
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.handles import RequestHandle, RequestOutput
+from blockspec.engine.handles import RequestHandle, RequestOutput
 from blockspec.decoding.logprobs import TokenLogprob
 from blockspec.serving.protocol import ApiError
 

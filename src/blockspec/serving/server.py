@@ -6,10 +6,10 @@ works (an unsupported flag is named by argparse, exit 2):
 - the target: positional MODEL, `--model`, `--model-path` (= --target);
 - memory: `--gpu-memory-utilization` / `--mem-fraction-static`, `--kv-memory-gb`,
   `--max-model-len` / `--context-length`, `--max-num-seqs` / `--max-running-requests`
-  (= --max-running); the plan is printed at start (decoding/memory.py);
+  (= --max-running); the plan is printed at start (engine/memory.py);
 - prefill: `--prefill-chunk-tokens` / `--chunked-prefill-size` (SGLang; -1: off) /
   `--max-num-batched-tokens` (vLLM): longer prompts are prefilled that many tokens per
-  step between the running requests' rounds (decoding/prefill_chunks.py);
+  step between the running requests' rounds (engine/prefill_chunks.py);
 - speculation: `--speculative-algorithm`, `--speculative-draft-model-path`,
   `--speculative-dflash-block-size`, `--speculative-dspark-block-size`,
   `--speculative-num-draft-tokens` and
@@ -34,7 +34,8 @@ from typing import Any
 
 from blockspec.config import DRAFT_METHODS, DraftConfig, GenerationDefaults
 from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.engine import Engine
+from blockspec.decoding.policy import PolicyOptions
+from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.errors import BlockspecError
 from blockspec.loading import load_models
 from blockspec.options import add_adapt_flag, add_model_flags, load_options
@@ -166,11 +167,9 @@ def build_engine(args: argparse.Namespace):
     if args.cost_table and spec.method == "ar":
         raise BlockspecError("--cost-table prices speculative rounds: it needs a speculative method (--draft / "
                              "--method dflash|dspark)")
-    if args.cost_table and not (args.adapt or args.scheduled or args.draft_gate):
-        raise BlockspecError("--cost-table is used by the adaptive policy, scheduled verification and the draft "
-                             "gate only; drop --no-adapt or add --scheduled / --draft-gate")
-    if args.draft_gate and not args.cost_table and not args.adapt:
-        raise BlockspecError("--draft-gate with --no-adapt needs --cost-table (blockspec profile --draft ...)")
+    # The policy's options, checked before the models load (a bad combination costs no load).
+    policy = PolicyOptions(adapt=args.adapt, scheduled=args.scheduled, draft_gate=True if args.draft_gate else None,
+                           cost_table=CostTable.load(args.cost_table) if args.cost_table else None)
     models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size,
                          chat_template=args.chat_template, **load_options(args))
     target, tokenizer, draft = models.target, models.tokenizer, models.draft
@@ -178,12 +177,11 @@ def build_engine(args: argparse.Namespace):
     args.generation_defaults = generation_defaults(args, models.generation_defaults)
     if draft is not None and spec.num_drafts is not None:
         draft = draft.with_block_size(block_for(draft.config.layout, spec.num_drafts))
-    table = CostTable.load(args.cost_table) if args.cost_table else None
-    engine = Engine(target, draft, spec.method, scheduled=args.scheduled, max_running=args.max_running,
-                    kv_memory_gb=args.kv_memory_gb, max_model_len=args.max_model_len, cost_table=table,
-                    draft_gate=True if args.draft_gate else None, adapt=args.adapt,
-                    tokenizer=tokenizer, gpu_memory_utilization=args.gpu_memory_utilization,
-                    prefill_chunk_tokens=args.prefill_chunk_tokens)
+    engine = Engine(target, draft, spec.method, max_running=args.max_running, max_model_len=args.max_model_len,
+                    tokenizer=tokenizer, policy=policy,
+                    options=EngineOptions(kv_memory_gb=args.kv_memory_gb,
+                                          gpu_memory_utilization=args.gpu_memory_utilization,
+                                          prefill_chunk_tokens=args.prefill_chunk_tokens))
     log.info("%s", engine.plan.describe())
     return engine, tokenizer, args.served_model_name or args.target or "blockspec"
 

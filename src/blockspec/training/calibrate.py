@@ -19,7 +19,8 @@ import torch
 
 from blockspec.config import SamplingParams
 from blockspec.decoding.acceptance import RoundRecorder, calibration, prefix_outcomes
-from blockspec.decoding.generate import generate
+from blockspec.decoding.generate import GenerateOptions, generate
+from blockspec.decoding.policy import PolicyOptions
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
@@ -54,7 +55,8 @@ def collect_rollouts(target: TargetModel, draft: DraftModel, prompts: list[list[
         raise BlockspecError("calibration needs a draft with a confidence head")
     draft = draft.with_config(replace(draft.config, confidence_temperatures=None))  # raw confidences
     recorder = RoundRecorder()
-    generate(target, prompts, params, draft=draft, method="dspark", observer=recorder, adapt=False)
+    generate(target, prompts, params, draft=draft, method="dspark", policy=PolicyOptions(adapt=False),
+             options=GenerateOptions(observer=recorder))
     g = draft.config.num_drafts
     out = Rollouts([[] for _ in range(g)], [[] for _ in range(g)])
     for r in sorted(recorder.records, key=lambda r: r.request):   # prompt by prompt, rounds in order

@@ -28,6 +28,7 @@ from blockspec.config import SamplingParams
 from blockspec.embedded import default_target
 from blockspec.decoding.acceptance import AcceptanceStats
 from blockspec.decoding.generate import generate
+from blockspec.decoding.policy import PolicyOptions
 from blockspec.errors import BlockspecError
 from blockspec.interop import mask_token_of
 from blockspec.models.checkpoint import load_draft, load_eagle3, load_target, save_draft, save_eagle3
@@ -64,7 +65,7 @@ def evaluate_acceptance(draft: AnyDraft, target: TargetModel, examples: list[Exa
     else:
         stats = AcceptanceStats()
         out = generate(target, prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), draft=draft,
-                       adapt=False)   # the draft's own acceptance over its full window
+                       policy=PolicyOptions(adapt=False))   # the draft's own acceptance over its full window
         for c in out.completions:
             stats.add_rounds(c.stats.accepted, c.stats.verified)
     draft.train()

@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any
 
 from blockspec.decoding.acceptance import tau
-from blockspec.decoding.handles import RequestTimes
+from blockspec.engine.handles import RequestTimes
 from blockspec.decoding.round import RoundOutcome
 
 REQUEST_OUTCOMES = ("submitted", "finished", "cancelled", "rejected", "failed")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from blockspec.decoding.handles import RequestTimes
+from blockspec.engine.handles import RequestTimes
 from blockspec.decoding.round import RoundOutcome
-from blockspec.decoding.stats import TTFT_BUCKETS, EngineStats, Histogram
+from blockspec.engine.stats import TTFT_BUCKETS, EngineStats, Histogram
 
 
 def outcome(verified: list[int], accepted: list[int]) -> RoundOutcome:

@@ -3,8 +3,9 @@
 Requests join (batched prefill) and leave (finish, cancel) between steps. Each
 step runs ONE round (`round.speculative_round`) for every running request: one
 draft forward and one packed target forward, in which every request verifies
-its own number of drafts, as the round policy (`policy.RoundPolicy`: draft gate,
-DSpark planner, confidence recalibration, early stop) decides.
+its own number of drafts (`round.PackedForwards`), as the round policy
+(`policy.RoundPolicy`: draft gate, DSpark planner, confidence recalibration, early
+stop) decides.
 
 Use it synchronously (`submit`, `step`, `run_until_done`) or from a background
 thread (`start`, `submit`, iterate / await the handle, `shutdown`).
@@ -22,22 +23,36 @@ from typing import Any, Callable
 import torch
 
 from blockspec.config import RULES, SamplingParams
-from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import check_method
-from blockspec.decoding.handles import RequestHandle, RequestOutput
-from blockspec.decoding.memory import plan_for_models
+from blockspec.engine.handles import RequestHandle, RequestOutput
+from blockspec.engine.memory import plan_for_models
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
-from blockspec.decoding.policy import RoundPolicy
-from blockspec.decoding.prefill_chunks import ChunkedPrefill, chunk_size
-from blockspec.decoding.round import RoundInputs, prefill, speculative_round
+from blockspec.decoding.policy import PolicyOptions, RoundPolicy
+from blockspec.engine.prefill_chunks import ChunkedPrefill, chunk_size
+from blockspec.decoding.round import Forwards, PackedForwards, RoundInputs, prefill, speculative_round
 from blockspec.decoding.sampling import RowSampler, new_generator
-from blockspec.decoding.slots import SlotPool
-from blockspec.decoding.stats import EngineStats
+from blockspec.engine.slots import SlotPool
+from blockspec.engine.stats import EngineStats
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
-__all__ = ["Engine", "RequestHandle", "RequestOutput"]
+__all__ = ["Engine", "EngineOptions", "RequestHandle", "RequestOutput"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """The engine's runtime settings besides its size (max_running, max_model_len).
+
+    rule: the verification rule when sampling. Memory (`memory.plan_for_models`): slots
+    that fit kv_memory_gb, else gpu_memory_utilization of the free memory.
+    prefill_chunk_tokens: longer prompts are prefilled that many tokens per step
+    (None: 2048 on CUDA, 512 on CPU)."""
+
+    rule: str = "rejection"
+    kv_memory_gb: float | None = None
+    gpu_memory_utilization: float | None = None
+    prefill_chunk_tokens: int | None = None
 
 
 @dataclass
@@ -81,41 +96,32 @@ def request_sampler(reqs: list[Any], target: TargetModel) -> RowSampler:
 class Engine:
     """Continuous-batching speculative decoding over a fixed KV slot pool.
 
-    method: "ar" | "dflash" | "dspark". The round policy (`RoundPolicy.for_method`
-    with adapt, scheduled, draft_gate, cost_table, min_survival, gate_feedback,
-    calibrate_confidence): adaptive by default (per temperature band, draft or not
-    and how long a block; DSpark's scheduled verify lengths; the cost table measured
-    once per machine and model pair). Memory (`memory.plan_for_models`): rows =
-    min(max_running, slots that fit kv_memory_gb, else gpu_memory_utilization of
-    the free memory); slots of max_model_len positions. prefill_chunk_tokens:
-    longer prompts are prefilled that many tokens per step (None: 2048 on CUDA, 512 on CPU)."""
+    method: "ar" | "dflash" | "dspark". policy: a `RoundPolicy`, or the `PolicyOptions`
+    to build one from (`RoundPolicy.for_method`; default adaptive: per temperature band,
+    draft or not and how long a block; DSpark's scheduled verify lengths; the cost table
+    measured once per machine and model pair). Memory (`memory.plan_for_models`): rows =
+    min(max_running, slots that fit the options' memory budget); slots of max_model_len
+    positions. options: `EngineOptions`. forwards: the round's forwards strategy
+    (`round.PackedForwards`; the bench and tests wrap it)."""
 
-    # Benchmarks only (simulated acceptance, NOT lossless): rows -> accepted-draft counts imposed
-    # on the round (clamped to what each row verified); None: the acceptance rule decides.
-    forced_acceptance: Callable[[int], torch.Tensor] | None = None
-
-    def __init__(self, target: TargetModel, draft: DraftModel | None = None, method: str = "ar",
-                 scheduled: bool | None = None, max_running: int = 32, kv_memory_gb: float | None = None,
-                 max_model_len: int | None = None, cost_table: CostTable | None = None,
-                 rule: str = "rejection", tokenizer: Detokenizer | None = None,
-                 min_survival: float = 0.02, draft_gate: bool | None = None, gate_feedback: bool = True,
-                 calibrate_confidence: bool = True, gpu_memory_utilization: float | None = None,
-                 adapt: bool = True, prefill_chunk_tokens: int | None = None) -> None:
+    def __init__(self, target: TargetModel, draft: DraftModel | None = None, method: str = "ar", *,
+                 max_running: int = 32, max_model_len: int | None = None, tokenizer: Detokenizer | None = None,
+                 policy: RoundPolicy | PolicyOptions | None = None, options: EngineOptions | None = None) -> None:
         check_method(method, draft)
-        chunk = chunk_size(prefill_chunk_tokens, target.device)
-        if rule not in RULES:
-            raise BlockspecError(f"unknown verification rule {rule!r} (choose rejection or match)")
-        self.target, self.method, self.rule, self.tokenizer = target, method, rule, tokenizer
+        options = options or EngineOptions()
+        chunk = chunk_size(options.prefill_chunk_tokens, target.device)
+        if options.rule not in RULES:
+            raise BlockspecError(f"unknown verification rule {options.rule!r} (choose rejection or match)")
+        self.target, self.method, self.rule, self.tokenizer = target, method, options.rule, tokenizer
         self.draft = draft if method != "ar" else None
         if self.draft is not None:
             self.draft.config.check_target(target.config)
-        self.policy = RoundPolicy.for_method(target, self.draft, method, cost_table, adapt=adapt, rows=max_running,
-                                             scheduled=scheduled, draft_gate=draft_gate, min_survival=min_survival,
-                                             gate_feedback=gate_feedback, calibrate=calibrate_confidence)
+        self.policy = RoundPolicy.of(policy, target, self.draft, method, max_running)
+        self.forwards: Forwards = PackedForwards()
         # Slots x length from the memory free now (the weights are loaded): never
         # max_running x max_position_embeddings blindly.
-        self.plan = plan_for_models(target, self.draft, max_running, max_model_len, kv_memory_gb,
-                                    gpu_memory_utilization)
+        self.plan = plan_for_models(target, self.draft, max_running, max_model_len, options.kv_memory_gb,
+                                    options.gpu_memory_utilization)
         self.max_model_len = self.plan.max_model_len
         self.slots = SlotPool(target, self.draft, self.plan)
         self.stats = EngineStats(speculative=self.draft is not None)
@@ -247,8 +253,7 @@ class Engine:
     def metrics(self) -> dict[str, Any]:
         with self._lock:
             running, waiting = len(self._running), len(self._waiting)
-        return {"method": self.method, "scheduled": self.policy.scheduled,
-                "draft_gate": self.policy.gate is not None, "max_model_len": self.max_model_len,
+        return {"method": self.method, **self.policy.metrics(), "max_model_len": self.max_model_len,
                 **self.slots.usage(running), "running": running, "waiting": waiting, **self.stats.snapshot()}
 
     # -- step internals ------------------------------------------------------------
@@ -286,7 +291,7 @@ class Engine:
             new = self.chunks.admit(self._waiting, self.rows - len(self._running) - self.chunks.rows_held)
             first, last = len(self._running), len(self._running) + len(new)
             self._running.extend(new)
-        self.chunks.step(self._lock, self._waiting, self._running, self._emit)   # joins after `new`
+        self._join_chunked()   # after `new`
         if not new:
             return
         t0 = time.perf_counter()
@@ -305,6 +310,18 @@ class Engine:
             self._emit(req, [tok], done.logprobs[i] if done.logprobs is not None else None)
         self.stats.prefill(sum(len(r.prompt) for r in new), time.perf_counter() - t0)
 
+    def _join_chunked(self) -> None:
+        """Advance the chunked prompt; when done it joins the running rows, its first token its anchor."""
+        joined = self.chunks.advance()
+        if joined is None:
+            return
+        req, req.anchor, logprobs = joined
+        with self._lock:
+            self._waiting.remove(req)
+            self.chunks.release(len(self._running))
+            self._running.append(req)
+        self._emit(req, [req.anchor], logprobs)
+
     def _sampler(self, reqs: list[Request]) -> RowSampler:
         return request_sampler(reqs, self.target)
 
@@ -319,9 +336,8 @@ class Engine:
         view, draft_view = self.slots.views(0, len(reqs))
         anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.long, device=self.target.device)
         batch = RoundInputs(self.target, self.draft, view, draft_view, self.slots.pending, anchors,
-                            self._sampler(reqs), bands)
-        forced = self.forced_acceptance(len(reqs)) if self.forced_acceptance is not None else None
-        outcome = speculative_round(batch, self.policy, rule=self.rule, packed=True, forced=forced)
+                            self._sampler(reqs), bands, self.forwards)
+        outcome = speculative_round(batch, self.policy, rule=self.rule)
         for i, req in enumerate(reqs):
             req.output.record_round(outcome.verified[i], outcome.accepted[i])
             req.anchor = outcome.bonus[i]

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding import round as round_module
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
 from blockspec.decoding.sampling import RowSampler, Verdict, warp
 from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.round import Proposal, prefill
+from blockspec.decoding.round import Forwards, Proposal, WrappedForwards, prefill
 from blockspec.errors import BlockspecError
+from blockspec import EngineOptions, PolicyOptions
 from lossless_stats import chi_square_p, exact_first_three
 from conftest import make_draft, make_target
 
@@ -60,23 +60,23 @@ def requests(target64):
 
 
 def build(target, config: str, block_size: int = 4, max_running: int = 3, max_model_len: int = 64,
-          **kw) -> Engine:
-    kw.update(max_running=max_running, max_model_len=max_model_len)
+          kv_memory_gb: float | None = None, **kw) -> Engine:
+    kw.update(max_running=max_running, max_model_len=max_model_len, options=EngineOptions(kv_memory_gb=kv_memory_gb))
     if config.endswith("-auto"):   # the default: adaptive, the cost table measured and cached
         method = config.removesuffix("-auto")
         draft = (make_draft(target, "zlab", block_size) if method == "dflash" else
                  make_draft(target, "deepspec", block_size, markov_rank=4, markov_type="gated", confidence=True))
         return Engine(target, draft, method, **kw)
-    kw.setdefault("adapt", False)   # fixed windows unless the config says otherwise
     if config == "ar":
-        return Engine(target, method="ar", **kw)
+        return Engine(target, method="ar", policy=PolicyOptions(adapt=False), **kw)
     if config in ("dflash", "dflash-gated"):  # gated: full window, the gate learns from acceptance
-        gate = (dict(draft_gate=True, cost_table=GATED_TABLE, gate_feedback=False) if config == "dflash-gated"
-                else {})
-        return Engine(target, make_draft(target, "zlab", block_size), "dflash", **kw, **gate)
+        gate = (PolicyOptions(adapt=False, draft_gate=True, cost_table=GATED_TABLE, gate_feedback=False)
+                if config == "dflash-gated" else PolicyOptions(adapt=False))   # fixed windows unless gated
+        return Engine(target, make_draft(target, "zlab", block_size), "dflash", policy=gate, **kw)
     draft = make_draft(target, "deepspec", block_size, markov_rank=4, markov_type="gated", confidence=True)
     table = {"dspark-scheduled": SCHED_TABLE, "dspark-gated": GATED_TABLE}.get(config)
-    return Engine(target, draft, "dspark", scheduled=table is not None, cost_table=table, gate_feedback=False, **kw)
+    policy = PolicyOptions(adapt=False, scheduled=table is not None, cost_table=table, gate_feedback=False)
+    return Engine(target, draft, "dspark", policy=policy, **kw)
 
 
 def count_calls(monkeypatch, obj, name: str) -> list[int]:
@@ -115,7 +115,7 @@ def drive(engine: Engine, requests, seed: int, cancel_waiting: int = 2, cancel_r
 def test_greedy_with_arrivals_and_cancellations_equals_ar(monkeypatch, target64, requests, config):
     engine = build(target64, config)
     packed = count_calls(monkeypatch, target64, "forward_packed")
-    proposals = count_calls(monkeypatch, round_module, "propose")
+    proposals = count_calls(monkeypatch, engine.forwards, "propose")
     handles, streamed = drive(engine, requests, seed=7)
     for i, (_, _, ref) in enumerate(requests):
         result = handles[i].result(timeout=0)
@@ -148,26 +148,30 @@ def test_greedy_with_arrivals_and_cancellations_equals_ar(monkeypatch, target64,
         assert {0, 1, 4} <= set(m["verified_histogram"])  # per-row lengths vary, 0 drafts included
 
 
-def oracle_propose(full_sequences: list[list[int]], corrupt_every: int = 4):
+class OracleForwards(WrappedForwards):
     """Draft the target's own greedy continuation (found by position + anchor), corrupt
     some slots, and report varied confidences so the scheduler picks varied lengths."""
-    real = round_module.propose
-    calls = itertools.count(1)
 
-    def propose(draft, target, draft_cache, anchors, sampler, num_drafts=None, stop_below=0.0, confidence_map=None):
+    def __init__(self, inner: Forwards, full_sequences: list[list[int]], corrupt_every: int = 4) -> None:
+        super().__init__(inner)
+        self.full_sequences, self.corrupt_every = full_sequences, corrupt_every
+        self.calls = itertools.count(1)
+
+    def propose(self, draft, target, draft_cache, anchors, sampler, num_drafts=None, stop_below=0.0,
+                confidence_map=None):
         # Full window always: the oracle reports its own confidences (the plan applies the floor).
-        proposal = real(draft, target, draft_cache, anchors, sampler, num_drafts)
+        proposal = self.inner.propose(draft, target, draft_cache, anchors, sampler, num_drafts)
         tokens = proposal.tokens.clone()
         r, g = tokens.shape
         for row in range(r):
             p, anchor = int(draft_cache.lengths[row]), int(anchors[row])
-            for seq in full_sequences:
+            for seq in self.full_sequences:
                 if p < len(seq) and seq[p] == anchor:
                     cont = seq[p + 1:p + 1 + g]
                     tokens[row, :len(cont)] = torch.tensor(cont)
                     break
-            n = next(calls)
-            if n % corrupt_every == 0:
+            n = next(self.calls)
+            if n % self.corrupt_every == 0:
                 tokens[row, n % g] = (tokens[row, n % g] + 1) % target.config.vocab_size
         pos = draft_cache.lengths.double().unsqueeze(1) + torch.arange(g, dtype=torch.float64)
         confidence = 0.35 + 0.64 * torch.sin(pos * 12.9898 + 78.233).abs()
@@ -176,14 +180,12 @@ def oracle_propose(full_sequences: list[list[int]], corrupt_every: int = 4):
         planned = confidence if confidence_map is None else confidence_map(confidence, 0)
         return Proposal(tokens, probs, planned, confidence)
 
-    return propose
-
 
 @pytest.mark.parametrize("config", ["dflash", "dspark", "dspark-scheduled"])
 def test_long_accepted_runs_stop_inside_runs(monkeypatch, target64, requests, config):
     full = [prompt + ref.tokens for prompt, _, ref in requests]
-    monkeypatch.setattr(round_module, "propose", oracle_propose(full))
     engine = build(target64, config, block_size=8, max_running=4)
+    engine.forwards = OracleForwards(engine.forwards, full)
     handles, _ = drive(engine, requests, seed=3, cancel_waiting=-1, cancel_running=-1)
     assert [handles[i].result().tokens for i in range(len(requests))] == [ref.tokens for _, _, ref in requests]
     m = engine.metrics()
@@ -203,7 +205,7 @@ def test_seeded_sampling_is_independent_of_the_batch(target64, requests, config)
     handles, _ = drive(engine, mixed, seed=5, cancel_waiting=-1, cancel_running=4)
     for i, prompt, params in [(0, PROMPTS[0], sampled[0]), (2, PROMPTS[2], sampled[1])]:
         # Same drafting schedule (fixed windows): the same draws, so the same tokens.
-        alone = generate(target64, [prompt], params, draft=engine.draft, adapt=False).completions[0].tokens
+        alone = generate(target64, [prompt], params, draft=engine.draft, policy=PolicyOptions(adapt=False)).completions[0].tokens
         assert handles[i].result().tokens == alone
 
 
@@ -244,8 +246,8 @@ def test_deferred_draft_context_equals_the_full_context(monkeypatch, target64, r
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     prompts = [requests[i][0] for i in (0, 1, 2, 5)]
     full = [p + generate(target64, [p], params).completions[0].tokens for p in prompts]
-    monkeypatch.setattr(round_module, "propose", oracle_propose(full))  # multi-token accepts
     engine = build(target64, "dspark-gated", max_running=3)
+    engine.forwards = OracleForwards(engine.forwards, full)  # multi-token accepts
     engine.policy.gate = PatternGate([0, 0, 1, 0, 3, 0, 0, 0, 2, 0, 0], engine.draft.config.num_drafts)
     for p in prompts[:3]:
         engine.submit(p, params)
@@ -321,20 +323,17 @@ def sample_under_load(engine: Engine, params: SamplingParams) -> torch.Tensor:
 
 def sampling_engine(target, method: str, calibrate: bool = True) -> Engine:
     if method == "dflash":
-        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24,
-                      adapt=False)
+        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24, policy=PolicyOptions(adapt=False))
     if method == "dflash-gated":
         table = CostTable([1, 10000], [1.0, 51.0], draft_rows=[1, 10000], draft_times_s=[0.01, 500.0],
                           draft_slot_times={1: [0.005, 200.0]}, draft_window=3)
-        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24,
-                      cost_table=table, draft_gate=True, gate_feedback=False)
+        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24, policy=PolicyOptions(cost_table=table, draft_gate=True, gate_feedback=False))
     draft = make_draft(target, "deepspec", 3, seed=5, markov_rank=4, markov_type="gated", confidence=True)
     table = CostTable([1, 10000], [1.0, 51.0])
     if method == "dspark-gated":  # drafting pays only with few running requests
         table = CostTable([1, 10000], [1.0, 51.0], draft_rows=[1, 10000], draft_times_s=[0.01, 500.0],
                           draft_slot_times={1: [0.005, 200.0]}, draft_window=3)
-    return Engine(target, draft, "dspark", scheduled=True, cost_table=table, max_running=1024, max_model_len=24,
-                  gate_feedback=False, calibrate_confidence=calibrate)
+    return Engine(target, draft, "dspark", max_running=1024, max_model_len=24, policy=PolicyOptions(scheduled=True, cost_table=table, gate_feedback=False, calibrate=calibrate))
 
 
 @pytest.mark.parametrize("method, params", [
@@ -361,15 +360,17 @@ def test_batched_sampling_follows_target_distribution(target12, method, params):
 
 def test_lossy_verifier_is_detected_under_batching(target12, monkeypatch):
     """Power: accepting every verified draft gives the draft's distribution; the test sees it."""
-    def accept_all(target_logits, drafts, draft_probs, sampler, num_drafts=None, rule="rejection"):
-        rows = torch.arange(drafts.shape[0])
-        bonus = torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in
-                             zip(warp(target_logits, sampler)[rows, num_drafts], sampler.generators)])
-        return Verdict(num_drafts.clone(), bonus)
+    class AcceptAll(WrappedForwards):
+        def verdict(self, target_logits, drafts, draft_probs, sampler, num_drafts, rule):
+            rows = torch.arange(drafts.shape[0])
+            bonus = torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in
+                                 zip(warp(target_logits, sampler)[rows, num_drafts], sampler.generators)])
+            return Verdict(num_drafts.clone(), bonus)
 
-    monkeypatch.setattr(round_module, "verify", accept_all)
     params = SamplingParams(temperature=1.0)
-    counts = sample_under_load(sampling_engine(target12, "dflash"), params)
+    engine = sampling_engine(target12, "dflash")
+    engine.forwards = AcceptAll(engine.forwards)
+    counts = sample_under_load(engine, params)
     assert chi_square_p(counts, exact_first_three(target12, params, SAMPLE_PROMPT, VOCAB)) < ALPHA
 
 
@@ -409,13 +410,13 @@ def test_too_big_request_is_rejected_and_others_continue(target64, requests):
 def test_draft_gate_needs_a_speculative_method_and_draft_times(target64):
     draft = make_draft(target64, "zlab", 4)
     with pytest.raises(BlockspecError, match="draft_gate needs"):
-        Engine(target64, draft, "dflash", draft_gate=True, adapt=False)           # no table
+        Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True, adapt=False))           # no table
     with pytest.raises(BlockspecError, match="draft_gate needs"):
-        Engine(target64, draft, "dflash", draft_gate=True, cost_table=SCHED_TABLE)  # no draft times
+        Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True, cost_table=SCHED_TABLE))  # no draft times
     with pytest.raises(BlockspecError, match="draft_gate needs"):
-        Engine(target64, None, "ar", draft_gate=True, cost_table=GATED_TABLE)
-    assert Engine(target64, draft, "dflash", draft_gate=True, cost_table=GATED_TABLE).metrics()["draft_gate"]
-    assert not Engine(target64, draft, "dflash", cost_table=GATED_TABLE, adapt=False).metrics()["draft_gate"]
+        Engine(target64, None, "ar", policy=PolicyOptions(draft_gate=True, cost_table=GATED_TABLE))
+    assert Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True, cost_table=GATED_TABLE)).metrics()["draft_gate"]
+    assert not Engine(target64, draft, "dflash", policy=PolicyOptions(cost_table=GATED_TABLE, adapt=False)).metrics()["draft_gate"]
 
 
 @pytest.mark.parametrize("config", ["dflash-gated", "dspark-gated"])
@@ -425,9 +426,8 @@ def test_gate_drafts_shorter_blocks_and_output_still_equals_ar(monkeypatch, targ
     engine = build(target64, config, max_running=2)
     window = engine.draft.config.num_drafts
     blocks = []
-    real = round_module.propose
-    monkeypatch.setattr(round_module, "propose",
-                        lambda *a, **kw: (blocks.append(kw["num_drafts"]), real(*a, **kw))[1])
+    real = engine.forwards.propose
+    monkeypatch.setattr(engine.forwards, "propose", lambda *a: (blocks.append(a[5]), real(*a))[1])
     handles = [engine.submit(p, params) for p, params, _ in requests]
     engine.run_until_done()
     for h, (_, _, ref) in zip(handles, requests):
@@ -443,9 +443,7 @@ def test_gate_observes_every_round_it_gated(monkeypatch, target64, requests, con
     table = GATED_TABLE
     draft = (make_draft(target64, "zlab", 4) if config == "dflash-gated" else
              make_draft(target64, "deepspec", 3, markov_rank=4, markov_type="gated", confidence=True))
-    engine = Engine(target64, draft, "dflash" if config == "dflash-gated" else "dspark",
-                    scheduled=config == "dspark-scheduled", cost_table=table, draft_gate=True, max_running=3,
-                    max_model_len=64)
+    engine = Engine(target64, draft, "dflash" if config == "dflash-gated" else "dspark", max_running=3, max_model_len=64, policy=PolicyOptions(scheduled=config == "dspark-scheduled", cost_table=table, draft_gate=True))
     seen = []
     real = engine.policy.gate.observe
     monkeypatch.setattr(engine.policy.gate, "observe", lambda *a, **kw: (seen.append(a), real(*a, **kw)))
@@ -468,7 +466,7 @@ def test_kv_budget_sets_the_slot_count(target64):
     with pytest.raises(BlockspecError, match="holds no request slot"):
         build(target64, "dflash", kv_memory_gb=0.5 * per_slot / 2**30)
     with pytest.raises(BlockspecError, match="confidence head"):
-        Engine(target64, make_draft(target64, "zlab", 4), "dflash", scheduled=True, cost_table=SCHED_TABLE)
+        Engine(target64, make_draft(target64, "zlab", 4), "dflash", policy=PolicyOptions(scheduled=True, cost_table=SCHED_TABLE))
 
 
 def test_requests_beyond_slots_wait_then_run(target64, requests):
@@ -593,7 +591,7 @@ def test_failed_step_fails_every_request_in_background(target64, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(round_module, "verify_and_commit", broken)
+    monkeypatch.setattr(engine.forwards, "verify_and_commit", broken)
     engine.start()
     handles = [engine.submit(p, SamplingParams(max_new_tokens=5)) for p in PROMPTS[:3]]
     results = [h.result(timeout=30) for h in handles]

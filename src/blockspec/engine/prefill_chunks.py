@@ -22,17 +22,18 @@ prompt's length, which a chunk does not know: those targets prefill whole.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Protocol
 
 import torch
 
+from blockspec.config import SamplingParams
 from blockspec.decoding.round import first_logprobs
 from blockspec.decoding.sampling import RowSampler, sample
-from blockspec.decoding.slots import SlotPool
-from blockspec.decoding.stats import EngineStats
+from blockspec.engine.handles import RequestHandle
+from blockspec.engine.slots import SlotPool
+from blockspec.engine.stats import EngineStats
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
@@ -53,36 +54,44 @@ def chunk_size(value: int | None, device: torch.device) -> int:
     return value
 
 
-class ChunkedPrefill:
-    """The one prompt being prefilled a chunk per step (see the module docstring).
+class PrefillRequest(Protocol):
+    """What chunked prefill reads of an engine request (it writes none of it)."""
 
-    Requests are the engine's (`prompt`, `params`, `generator`, `handle`); only those
-    fields are read."""
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    handle: RequestHandle
+
+
+class ChunkedPrefill:
+    """The one prompt being prefilled a chunk per step (see the module docstring). The
+    engine admits through `admit`, runs `advance` once per step and, when it returns the
+    finished request, moves it into the running rows with `release`."""
 
     def __init__(self, target: TargetModel, draft: DraftModel | None, slots: SlotPool, stats: EngineStats,
                  chunk: int) -> None:
         self.target, self.draft, self.slots, self.stats = target, draft, slots, stats
         self.chunk = chunk
         self.row = slots.rows - 1
-        self.req: Any = None      # the request in flight, still in the engine's queue
+        self.req: PrefillRequest | None = None   # the request in flight, still in the engine's queue
         self.done = 0             # its prompt tokens already in the cache
 
     @property
     def rows_held(self) -> int:
         return 0 if self.req is None else 1
 
-    def chunked(self, req: Any) -> bool:
+    def chunked(self, req: PrefillRequest) -> bool:
         """Whether this request's prompt is prefilled in chunks."""
         return (len(req.prompt) > self.chunk and not self.target.rotary.rope.length_dependent
                 and req.params.prompt_logprobs is None   # scored in one forward: every position's logits
                 and self.slots.rows > 1)   # one slot: the only row is the running one
 
-    def admit(self, waiting: deque, free: int) -> list[Any]:
+    def admit(self, waiting: deque, free: int) -> list[PrefillRequest]:
         """Pop, in order, up to `free` short-prompt requests for the batched prefill (returned),
         and start the first long prompt if none is in flight and a row is free (it stays in
         `waiting`). Long prompts waiting behind the one in flight keep their place; short
         ones behind them may overtake them (not whole prompts: that is the point)."""
-        taken: list[Any] = []
+        taken: list[PrefillRequest] = []
         for req in list(waiting):
             if len(taken) >= free:
                 break
@@ -97,12 +106,12 @@ class ChunkedPrefill:
             waiting.remove(req)
         return taken
 
-    def _start(self, req: Any) -> None:
+    def _start(self, req: PrefillRequest) -> None:
         self.req, self.done = req, 0
         self.slots.reset(self.row, self.row + 1)
         self.stats.admitted(req.handle.times, time.monotonic())
 
-    def advance(self) -> tuple[Any, int, list | None] | None:
+    def advance(self) -> tuple[PrefillRequest, int, list | None] | None:
         """Prefill the next chunk of the prompt in flight. Returns (request, first token, its logprobs)
         once its last chunk ran; the caller then moves it with `release`."""
         req = self.req
@@ -134,21 +143,6 @@ class ChunkedPrefill:
         self.stats.prefill(len(part), time.perf_counter() - t0)
         return None if first is None else (req, *first)
 
-    def step(self, lock: threading.Lock, waiting: deque, running: list[Any],
-             emit: Callable[[Any, list[int], list | None], None]) -> Any:
-        """`advance`; when the prompt is done, move it from `waiting` to the end of `running`
-        (its row with it) under the engine's `lock`, its first token as its anchor, and
-        `emit(request, [token])` that token. Returns the request that joined, or None."""
-        joined = self.advance()
-        if joined is None:
-            return None
-        req, req.anchor, logprobs = joined
-        with lock:
-            waiting.remove(req)
-            self.release(len(running))
-            running.append(req)
-        emit(req, [req.anchor], logprobs)
-        return req
 
     def release(self, row: int) -> None:
         """Move the finished prompt's target and draft rows to `row` (the next running row)."""

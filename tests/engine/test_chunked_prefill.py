@@ -1,4 +1,4 @@
-"""Chunked prefill in the engine (decoding/prefill_chunks.py): a long prompt is prefilled
+"""Chunked prefill in the engine (engine/prefill_chunks.py): a long prompt is prefilled
 a chunk per step while the running requests keep decoding, and nothing it produces
 differs from a whole-prompt prefill."""
 
@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
-from blockspec.decoding.prefill_chunks import DEFAULT_CHUNK, chunk_size
+from blockspec.engine.prefill_chunks import DEFAULT_CHUNK, chunk_size
 from blockspec.decoding.round import prefill
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
 from blockspec.serving.server import add_serve_arguments
+from blockspec import EngineOptions
 from conftest import make_draft, make_target
 
 LONG = [(7 * i + 3) % 60 + 1 for i in range(45)]     # 6 chunks of 8 (the last one 5 tokens)
@@ -37,7 +38,7 @@ def engine_for(target, method: str, chunk: int, max_running: int = 3) -> Engine:
         draft = make_draft(target, "zlab", 4)
     elif method == "dspark":
         draft = make_draft(target, "deepspec", 4, markov_rank=4, markov_type="gated", confidence=True)
-    return Engine(target, draft, method, max_running=max_running, max_model_len=80, prefill_chunk_tokens=chunk)
+    return Engine(target, draft, method, max_running=max_running, max_model_len=80, options=EngineOptions(prefill_chunk_tokens=chunk))
 
 
 def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
@@ -131,7 +132,7 @@ def test_cancelled_while_prefilling_frees_the_row(target64) -> None:
 @pytest.mark.parametrize("bad", [0, -4, True, 2.5, "512"])
 def test_bad_chunk_sizes_are_refused(target64, bad) -> None:
     with pytest.raises(BlockspecError, match="prefill_chunk_tokens"):
-        Engine(target64, max_running=2, max_model_len=80, prefill_chunk_tokens=bad)
+        Engine(target64, max_running=2, max_model_len=80, options=EngineOptions(prefill_chunk_tokens=bad))
 
 
 def test_default_chunk_by_device() -> None:

@@ -1,4 +1,4 @@
-"""The slot pool keeps running rows in temperature-band order (decoding/slots.py)."""
+"""The slot pool keeps running rows in temperature-band order (engine/slots.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import random
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
-from blockspec.decoding.slots import band_swaps
+from blockspec.engine.slots import band_swaps
+from blockspec import PolicyOptions
 from conftest import make_draft, make_target
 
 
@@ -33,7 +34,7 @@ def test_engine_orders_rows_greedy_first_and_outputs_stay_exact():
     and seeded sampled ones equal their own fixed-window run."""
     target = make_target(dtype=torch.float64)
     draft = make_draft(target, "zlab", 4)
-    engine = Engine(target, draft, "dflash", max_running=4, max_model_len=64, adapt=False)
+    engine = Engine(target, draft, "dflash", max_running=4, max_model_len=64, policy=PolicyOptions(adapt=False))
     sampled = SamplingParams(temperature=0.9, seed=4, max_new_tokens=12, ignore_eos=True)
     greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
@@ -44,5 +45,5 @@ def test_engine_orders_rows_greedy_first_and_outputs_stay_exact():
     assert [q.params.band for q in engine._running] == [0, 0, 2, 3]
     engine.run_until_done()
     for h, p, sp in zip(handles, prompts, params):
-        ref = generate(target, [p], sp, draft=draft, adapt=False) if sp.temperature else generate(target, [p], sp)
+        ref = generate(target, [p], sp, draft=draft, policy=PolicyOptions(adapt=False)) if sp.temperature else generate(target, [p], sp)
         assert h.result().tokens == ref.completions[0].tokens

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from blockspec.config import DraftConfig, TargetConfig
-from blockspec.decoding.memory import (DEFAULT_UTILIZATION, GIB, KVShapes, activation_reserve, kv_budget,
+from blockspec.engine.memory import (DEFAULT_UTILIZATION, GIB, KVShapes, activation_reserve, kv_budget,
                                        plan_kv)
-from blockspec.decoding.slots import SlotPool
+from blockspec.engine.slots import SlotPool
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
