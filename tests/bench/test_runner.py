@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.bench.arms import accept_pattern
+from blockspec.bench.arms import ForcedAcceptance, accept_pattern
 from blockspec.bench.cli import add_bench_parser
 from blockspec.bench.datasets import BenchPrompt
 from blockspec.bench.measure import ArmTotals, collect_calibration, throughput_vs_concurrency

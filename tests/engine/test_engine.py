@@ -363,9 +363,10 @@ def test_lossy_verifier_is_detected_under_batching(target12, monkeypatch):
     class AcceptAll(WrappedForwards):
         def verdict(self, target_logits, drafts, draft_probs, sampler, num_drafts, rule):
             rows = torch.arange(drafts.shape[0])
+            verified = num_drafts if num_drafts is not None else torch.full_like(rows, drafts.shape[1])
             bonus = torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in
-                                 zip(warp(target_logits, sampler)[rows, num_drafts], sampler.generators)])
-            return Verdict(num_drafts.clone(), bonus)
+                                 zip(warp(target_logits, sampler)[rows, verified], sampler.generators)])
+            return Verdict(verified.clone(), bonus)
 
     params = SamplingParams(temperature=1.0)
     engine = sampling_engine(target12, "dflash")
@@ -416,7 +417,8 @@ def test_draft_gate_needs_a_speculative_method_and_draft_times(target64):
     with pytest.raises(BlockspecError, match="draft_gate needs"):
         Engine(target64, None, "ar", policy=PolicyOptions(draft_gate=True, cost_table=GATED_TABLE))
     assert Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True, cost_table=GATED_TABLE)).metrics()["draft_gate"]
-    assert not Engine(target64, draft, "dflash", policy=PolicyOptions(cost_table=GATED_TABLE, adapt=False)).metrics()["draft_gate"]
+    with pytest.raises(BlockspecError, match="cost table is used by"):   # never silently ignored
+        PolicyOptions(cost_table=GATED_TABLE, adapt=False)
 
 
 @pytest.mark.parametrize("config", ["dflash-gated", "dspark-gated"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -78,14 +79,15 @@ class PolicyOptions:
     comes from the cache (measured the first time: `table_cache.cached_cost_table`);
     scheduled (None) is then on for DSpark with a confidence head and draft_gate (None)
     for every speculative method. adapt off: fixed windows unless scheduled /
-    draft_gate say otherwise. cost_table: the verify / draft costs to plan with;
+    draft_gate say otherwise. cost_table: the verify / draft costs to plan with (or its
+    JSON file, `blockspec profile`, read when the policy is built);
     min_survival: DSpark's planner floor; gate_feedback: the gate scales the table by
     measured round times; calibrate: rescale confidences online (scheduled only)."""
 
     adapt: bool = True
     scheduled: bool | None = None
     draft_gate: bool | None = None
-    cost_table: CostTable | None = None
+    cost_table: CostTable | str | Path | None = None
     min_survival: float = 0.02
     gate_feedback: bool = True
     calibrate: bool = True
@@ -95,7 +97,8 @@ class PolicyOptions:
             raise BlockspecError("a cost table is used by the adaptive policy, scheduled verification and the "
                                  "draft gate only; drop --no-adapt or add --scheduled / --draft-gate")
         if self.draft_gate and self.cost_table is None and not self.adapt:
-            raise BlockspecError("--draft-gate with --no-adapt needs --cost-table (blockspec profile --draft ...)")
+            raise BlockspecError("draft_gate needs a cost table when adapt is off (--draft-gate with --no-adapt "
+                                 "needs --cost-table: blockspec profile --draft ...)")
 
 
 # DSpark's early stop pays only for a few rows: with this many or more, all of them
@@ -145,6 +148,8 @@ class RoundPolicy:
         Checks that the table was measured for this target."""
         options = options or PolicyOptions()
         table, scheduled, draft_gate = options.cost_table, options.scheduled, options.draft_gate
+        if isinstance(table, (str, Path)):
+            table = CostTable.load(table)
         speculative = draft is not None and method != "ar"
         if options.adapt and speculative and table is None:
             assert draft is not None

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from blockspec.config import DRAFT_METHODS, DraftConfig, GenerationDefaults
-from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.policy import PolicyOptions
 from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.errors import BlockspecError
@@ -169,7 +168,7 @@ def build_engine(args: argparse.Namespace):
                              "--method dflash|dspark)")
     # The policy's options, checked before the models load (a bad combination costs no load).
     policy = PolicyOptions(adapt=args.adapt, scheduled=args.scheduled, draft_gate=True if args.draft_gate else None,
-                           cost_table=CostTable.load(args.cost_table) if args.cost_table else None)
+                           cost_table=args.cost_table or None)   # read after the models load
     models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size,
                          chat_template=args.chat_template, **load_options(args))
     target, tokenizer, draft = models.target, models.tokenizer, models.draft
