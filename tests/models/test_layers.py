@@ -146,11 +146,11 @@ def test_fused_linears_keep_no_weight_copy_off_the_cpu():
     """Off the CPU (meta here, CUDA in use) fused QKV / gate-up run one GEMM per layer and
     never build a concatenated copy of the weights; on the CPU they do, once, and both
     give the separate layers' outputs."""
-    from blockspec.models.layers import Attention
+    from blockspec.models.layers import Attention, AttentionShape
 
     for device in ("meta", "cpu"):
         torch.manual_seed(0)
-        attn = Attention(32, 4, 2, 8, True, False, True, 1e-6).to(device)
+        attn = Attention(AttentionShape(32, 4, 2, 8, qkv_bias=True, qk_norm=True)).to(device)
         x = torch.randn(2, 3, 32, device=device)
         with torch.no_grad():
             fused = attn._qkv.full(x)

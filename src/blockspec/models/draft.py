@@ -22,25 +22,27 @@ from blockspec.errors import BlockspecError
 from blockspec.models.attention import ALL_KEYS, KeyMask, limit_mask
 from blockspec.models.heads import ConfidenceHead, MarkovHead
 from blockspec.models.kv_cache import KVCache
-from blockspec.models.layers import Attention, FusedLinears, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from blockspec.models.layers import (Attention, AttentionShape, CacheAccess, FusedLinears, Linear, RMSNorm,
+                                     RotaryEmbedding, SwiGLU)
 
 
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                   cfg.head_dim, False, False, True, cfg.rms_norm_eps, layer_idx)
+        shape = AttentionShape(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                               eps=cfg.rms_norm_eps)   # no biases, q/k norms: both draft layouts
+        self.self_attn = Attention(shape, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | KeyMask | None,
-                cache: KVCache | None = None, slots: torch.Tensor | None = None, upto: int = 0,
-                context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                kv: CacheAccess | None = None, context: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """Block tokens h attend (non-causally, under `mask`) to context K/V plus the block's own:
-        the cache's (block K/V written at `slots` right after each row's context, read up to
-        `upto`) or an explicit `context` (k, v) [B, Hkv, S, D] (training)."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, slots, upto, context=context)
+        the cache's (`kv`: block K/V written at its slots right after each row's context, read
+        up to its `upto`) or an explicit `context` (k, v) [B, Hkv, S, D] (training)."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, kv, context=context)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -141,8 +143,9 @@ class DraftModel(nn.Module):
         mask = ALL_KEYS if b == 1 else limit_mask(cache.lengths + s, s, upto, causal=False)
         h = embed(block_ids).to(self.dtype)
         cos, sin = self.rotary(slots, h.dtype)
+        kv = CacheAccess(cache, slots, upto)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask, cache, slots, upto)
+            h = layer(h, cos, sin, mask, kv)
         return self.norm(h)
 
     def forward(self, features: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor,

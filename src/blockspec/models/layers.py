@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -310,21 +312,49 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """One attention layer's sizes and options (from the target's or the draft's config)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = True
+    eps: float = 1e-6
+
+
+class CacheAccess(NamedTuple):
+    """Where a block's K/V go in a KVCache and what its queries read (`Attention.forward`):
+    written at `slots` ([B, T], or [N] when `packed`), read up to `upto`; `packed` =
+    (rows, cols) [N] of a ragged packed sequence whose widest row has `width` tokens.
+    A NamedTuple: one is built per model forward and passed through compiled steps."""
+
+    cache: KVCache
+    slots: torch.Tensor
+    upto: int
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None
+    width: int = 0
+
+
 class Attention(nn.Module):
     """One attention layer (HF parameter names), the one attention body of the target's
     decode and packed verification and of the draft's block.
 
     `layer_idx` is this layer's index into a KVCache (as in HF's modeling_qwen3)."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool, eps: float, layer_idx: int = 0) -> None:
+    def __init__(self, shape: AttentionShape, layer_idx: int = 0) -> None:
         super().__init__()
+        hidden, heads, kv_heads, head_dim = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
+        qkv_bias, o_bias, eps = shape.qkv_bias, shape.o_bias, shape.eps
         self.heads, self.kv_heads, self.head_dim, self.layer_idx = heads, kv_heads, head_dim, layer_idx
         self.q_proj = Linear(hidden, heads * head_dim, bias=qkv_bias)
         self.k_proj = Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = Linear(heads * head_dim, hidden, bias=o_bias)
-        if qk_norm:
+        if shape.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
         else:
@@ -388,28 +418,26 @@ class Attention(nn.Module):
         return self.o_proj(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | KeyMask | None = None,
-                cache: KVCache | None = None, slots: torch.Tensor | None = None, upto: int = 0, *,
-                packed: tuple[torch.Tensor, torch.Tensor] | None = None,
-                context: tuple[torch.Tensor, torch.Tensor] | None = None, causal: bool = False,
-                width: int = 0) -> torch.Tensor:
+                mask: torch.Tensor | KeyMask | None = None, kv: CacheAccess | None = None, *,
+                context: tuple[torch.Tensor, torch.Tensor] | None = None, causal: bool = False) -> torch.Tensor:
         """x [B, T, hidden] (already normed) -> attention output [B, T, hidden].
 
         Keys and values, by what is given:
-        - `cache`: this block's K/V are written at `slots` [B, T] of every row and the
-          queries read the cache's slots [0, upto) under `mask` [B, 1, T, upto] or a
-          KeyMask (None: all); a KeyMask with self_causal (rows that were empty) reads
+        - `kv` (`CacheAccess`): this block's K/V are written at `kv.slots` [B, T] of every
+          row and the queries read the cache's slots [0, kv.upto) under `mask` [B, 1, T, upto]
+          or a KeyMask (None: all); a KeyMask with self_causal (rows that were empty) reads
           the block's own K/V instead, causally and without a mask;
-        - `cache` and `packed` = (rows, cols) [N]: x [1, N, hidden] is a packed ragged
+        - `kv` with `packed` = (rows, cols) [N]: x [1, N, hidden] is a packed ragged
           sequence whose token i is the cols[i]-th new token of cache row rows[i], written
-          at slots [N]; `mask` is per row and `width` its query count W (the widest row);
+          at slots [N]; `mask` is per row and `kv.width` its query count W (the widest row);
         - `context` = (k, v) [B, Hkv, S, D]: explicit K/V placed before the block (training);
         - neither: the block attends to itself (causally when `causal`, or under `mask`)."""
         q, k, v = self.project_qkv(x, cos, sin)
-        if cache is None:
+        if kv is None:
             if context is not None:
                 k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
             return self.output(attend(q, k, v, mask, causal))
+        cache, slots, upto, packed, width = kv
         if packed is None:
             cache.write(self.layer_idx, k, v, slots)
             if isinstance(mask, KeyMask) and mask.self_causal:  # empty rows: the cache holds just k, v

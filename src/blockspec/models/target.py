@@ -17,7 +17,7 @@ from torch import nn
 from blockspec.config import TargetConfig
 from blockspec.models.attention import ALL_KEYS, KeyMask, append_mask, dense_limit_mask
 from blockspec.models.kv_cache import KVCache, sliding_window_mask
-from blockspec.models.layers import Attention, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from blockspec.models.layers import Attention, AttentionShape, CacheAccess, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 LayerMask = torch.Tensor | KeyMask | None
 
@@ -26,17 +26,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                   cfg.head_dim, cfg.qkv_bias, cfg.o_bias, cfg.qk_norm, cfg.rms_norm_eps, layer_idx)
+        shape = AttentionShape(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                               cfg.qkv_bias, cfg.o_bias, cfg.qk_norm, cfg.rms_norm_eps)
+        self.self_attn = Attention(shape, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: LayerMask,
-                cache: KVCache | None = None, slots: torch.Tensor | None = None, upto: int = 0,
-                packed: tuple[torch.Tensor, torch.Tensor] | None = None, width: int = 0) -> torch.Tensor:
-        """Causal attention (see `Attention.forward` for the cache / packed arguments) + MLP."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, slots, upto,
-                               packed=packed, causal=True, width=width)
+                kv: CacheAccess | None = None) -> torch.Tensor:
+        """Causal attention (see `Attention.forward` for the cache access) + MLP."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, kv, causal=True)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -156,8 +155,9 @@ class TargetModel(nn.Module):
             masks = list(self._layer_masks(mask, positions if key_pos is None else key_pos, upto))
         captured: dict[int, torch.Tensor] = {}
         last = max(capture) if output == "features" else len(self.layers) - 1
+        kv = CacheAccess(cache, slots, upto) if cache is not None else None
         for i, layer in enumerate(self.layers[:last + 1]):
-            h = layer(h, cos, sin, masks[i], cache, slots, upto)
+            h = layer(h, cos, sin, masks[i], kv)
             if i in capture:
                 captured[i] = h
         if cache is not None:
@@ -192,8 +192,9 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary(pos, h.dtype, limit=cache.capacity)
         mask = (torch.arange(cache.capacity, device=h.device) <= pos).view(-1, 1, 1, cache.capacity)
         masks = self._layer_masks(mask, pos, cache.capacity)
+        kv = CacheAccess(cache, pos, cache.capacity)
         for layer, layer_mask in zip(self.layers, masks):
-            h = layer(h, cos, sin, layer_mask, cache, pos, cache.capacity)
+            h = layer(h, cos, sin, layer_mask, kv)
         return self.lm_head(self.norm(h))
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -235,8 +236,9 @@ class TargetModel(nn.Module):
         # their sliding window is never empty (their outputs are dropped).
         masks = self._append_masks(cache.lengths, width, upto, limit.clamp(max=upto - 1), fresh=False)
         captured: dict[int, torch.Tensor] = {}
+        kv = CacheAccess(cache, slots, upto, (rows, cols), width)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, masks[i], cache, slots, upto, (rows, cols), width)
+            h = layer(h, cos, sin, masks[i], kv)
             if i in capture:
                 captured[i] = h
         cache.advance(counts)
