@@ -16,7 +16,7 @@ import torch
 
 from blockspec import Engine, PolicyOptions, SamplingParams, Tokenizer, embedded, load_draft, load_target
 from blockspec.bench.datasets import humaneval
-from blockspec.decoding.cost_table import profile_cost_table
+from blockspec.decoding.cost_table import ProfileOptions, profile_cost_table
 
 
 class NeverDraft:
@@ -37,7 +37,7 @@ def main() -> None:
     tdir = embedded.default_target()
     target, tok = load_target(tdir), Tokenizer(tdir)
     draft = load_draft(embedded.default_draft("dspark"), target=target)
-    table = profile_cost_table(target, [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512], repeats=5, rows=16,
+    table = profile_cost_table(target, [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512], ProfileOptions(repeats=5, rows=16),
                                capture=tuple(draft.config.target_layer_ids), draft=draft,
                                draft_rows=[1, 2, 4, 8, 16, 32])
     prompts = [tok.encode(p.text) for p in humaneval()][:2 * args.concurrency]

@@ -47,7 +47,7 @@ import torch
 from blockspec.bench.arms import ForcedAcceptance, accept_pattern
 from blockspec.config import DraftConfig, SamplingParams, TargetConfig
 from blockspec.decoding.captured import CapturedSteps, release_captured
-from blockspec.decoding.cost_table import profile_cost_table
+from blockspec.decoding.cost_table import ProfileOptions, profile_cost_table
 from blockspec.decoding.generate import GenerateOptions, generate
 from blockspec.decoding.policy import PolicyOptions
 from blockspec.decoding.sampling import RowSampler
@@ -406,7 +406,8 @@ def engine_section(target: TargetModel, dflash: DraftModel, dspark: DraftModel, 
                    new_tokens: int, prompt_len: int, smoke: bool, report: Report) -> None:
     report.progress("engine: profiling the cost table of scheduled DSpark")
     ns = [1, 2, 4, 8] if smoke else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    table = profile_cost_table(target, ns, repeats=1 if smoke else 3, rows=min(16, max(ns)), context=prompt_len,
+    table = profile_cost_table(target, ns, ProfileOptions(repeats=1 if smoke else 3, rows=min(16, max(ns)),
+                                                          context=prompt_len),
                                capture=tuple(dspark.config.target_layer_ids), draft=dspark,
                                draft_rows=[1, 2] if smoke else [1, 4, 16, 32])
     arms = {"AR": (None, "ar", None), "DFlash": (dflash, "dflash", None), "DSpark scheduled": (dspark, "dspark", table)}

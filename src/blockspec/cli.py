@@ -20,7 +20,7 @@ from blockspec.bench.cli import add_bench_parser
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import GenerateOptions, generate
 from blockspec.decoding.policy import PolicyOptions
-from blockspec.decoding.cost_table import profile_cost_table
+from blockspec.decoding.cost_table import ProfileOptions, profile_cost_table
 from blockspec.decoding.output import TextTracker
 from blockspec.errors import BlockspecError
 from blockspec.interop import ENGINES, EngineCompatibilityWarning, launch_line, mask_token_of
@@ -185,9 +185,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
         draft = load_draft(draft_dir, device=target.device, target=target,
                            allow_nonfinite=opts["allow_nonfinite"])
     draft_rows = [int(x) for x in args.draft_rows.split(",")] if args.draft_rows else None
-    table = profile_cost_table(target, ns, repeats=args.repeats, rows=args.rows, context=args.context,
-                               capture=tuple(draft.config.target_layer_ids) if draft is not None else (),
-                               draft=draft, draft_rows=draft_rows)
+    options = ProfileOptions(repeats=args.repeats, rows=args.rows, context=args.context)
+    table = profile_cost_table(target, ns, options, draft=draft, draft_rows=draft_rows,
+                               capture=tuple(draft.config.target_layer_ids) if draft is not None else ())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     table.save(Path(args.out))
     report = {"out": args.out, "points": len(table.ns),

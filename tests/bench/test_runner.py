@@ -60,7 +60,9 @@ def drafts_of(root: Path) -> dict[str, Path]:
 def bench(models):
     methods = ["ar", "dflash", "dspark", "dspark-scheduled"] + (["hf"] if HAS_HF else [])
     out = models / "out"
-    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], options=BenchOptions(methods=methods, temperatures=[0.0, 1.0], max_new_tokens=MAX_NEW, limit=LIMIT, repeats=1, out_dir=out, ignore_eos=True))
+    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")],
+                        options=BenchOptions(methods=methods, temperatures=[0.0, 1.0], max_new_tokens=MAX_NEW,
+                                             limit=LIMIT, repeats=1, out_dir=out, ignore_eos=True))
     return results, out
 
 
@@ -159,7 +161,9 @@ def test_code_quality_of_an_arm():
 
 def test_bench_scores_code_prompts(models):
     prompts = [BenchPrompt(f"p{i}", f'def f{i}(x):\n    """Return x."""', f"f{i}") for i in range(2)]
-    results = run_bench(models / "target", drafts_of(models), {"code": prompts}, options=BenchOptions(methods=["ar", "dflash"], temperatures=[0.0], max_new_tokens=MAX_NEW, out_dir=models / "code", ignore_eos=True, progress=False))
+    options = BenchOptions(methods=["ar", "dflash"], temperatures=[0.0], max_new_tokens=MAX_NEW,
+                           out_dir=models / "code", ignore_eos=True, progress=False)
+    results = run_bench(models / "target", drafts_of(models), {"code": prompts}, options)
     for row in results["rows"]:
         assert row["code"]["scored"] == 2 and 0.0 <= row["parse_body"] <= row["code"]["parse_rate"] <= 1.0
         assert row["degeneracy"]["completions"] == 2
@@ -176,7 +180,10 @@ def test_every_kth_prompt_then_limit(models):
 
 def test_simulated_acceptance_hits_requested_tau(models):
     tau = 2.5
-    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], options=BenchOptions(methods=["ar", "dflash"], temperatures=[0.0], max_new_tokens=16, limit=LIMIT, block_sizes=[2, 3, 4], out_dir=models / "sim", simulate_accept=tau, ignore_eos=True, progress=False))
+    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")],
+                        options=BenchOptions(methods=["ar", "dflash"], temperatures=[0.0], max_new_tokens=16,
+                                             limit=LIMIT, block_sizes=[2, 3, 4], out_dir=models / "sim",
+                                             simulate_accept=tau, ignore_eos=True, progress=False))
     spec = [r for r in results["rows"] if r["method"] == "dflash"]
     assert [r["block_size"] for r in spec] == [3, 4]               # B=2 has one draft: tau 2.5 is out of reach
     assert any("B=2 skipped" in n for n in results["meta"]["notes"])
@@ -208,9 +215,11 @@ def test_round_recorder_sees_every_round_of_generate(kind, temperature):
              make_draft(target, layout="deepspec", block_size=3, markov_rank=4, confidence=True))
     params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=3)
     recorder = RoundRecorder()
-    out = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind, policy=PolicyOptions(adapt=False), options=GenerateOptions(observer=recorder))
+    out = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind, policy=PolicyOptions(adapt=False),
+                   options=GenerateOptions(observer=recorder))
     loop = out.completions[0]
-    ref = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind, policy=PolicyOptions(adapt=False)).completions[0]
+    ref = generate(target, [[1, 2, 3, 4]], params, draft=draft, method=kind,
+                   policy=PolicyOptions(adapt=False)).completions[0]
     assert loop.tokens == ref.tokens
     assert loop.stats.accepted == ref.stats.accepted and loop.stats.verified == ref.stats.verified
     assert [r.accepted for r in recorder.records] == loop.stats.accepted
@@ -356,7 +365,10 @@ def test_adaptive_and_fixed_arms_side_by_side(models):
     """--also-fixed: every speculative method runs as users run it (adaptive) and with fixed
     full windows; the two arms of one draft share one calibration pass (one table row)."""
     out = models / "out_policies"
-    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], options=BenchOptions(methods=["ar", "dflash", "dspark"], temperatures=[0.0], max_new_tokens=MAX_NEW, limit=LIMIT, repeats=1, out_dir=out, ignore_eos=True, policies=("adaptive", "fixed")))
+    results = run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")],
+                        options=BenchOptions(methods=["ar", "dflash", "dspark"], temperatures=[0.0],
+                                             max_new_tokens=MAX_NEW, limit=LIMIT, repeats=1, out_dir=out,
+                                             ignore_eos=True, policies=("adaptive", "fixed")))
     labels = [r["label"] for r in results["rows"]]
     assert labels == ["ar", "dflash B=4 adaptive", "dflash B=4 fixed", "dspark B=3 adaptive", "dspark B=3 fixed"]
     drafted = {r["label"]: r["drafted"] for r in results["rows"]}
@@ -367,4 +379,5 @@ def test_adaptive_and_fixed_arms_side_by_side(models):
     md = (out / "results.md").read_text()
     assert md.split("Confidence-head calibration")[1].count("| dspark |") == 1
     with pytest.raises(BlockspecError, match="policies"):
-        run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")], options=BenchOptions(methods=["ar"], limit=1, out_dir=out, policies=("sometimes",)))
+        run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")],
+                  options=BenchOptions(methods=["ar"], limit=1, out_dir=out, policies=("sometimes",)))

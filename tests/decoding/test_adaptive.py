@@ -65,7 +65,8 @@ def test_greedy_output_equals_ar_while_switching_inside_a_request(method):
     policy = switching_policy(target, draft, method, len(PROMPTS), [(0.0, 0), (1.0, 1), (0.5, window), (1.0, window),
                                                                    (0.25, 2)])
     seen = Blocks()
-    out = generate(target, PROMPTS, params, draft=draft, method=method, policy=policy, options=GenerateOptions(observer=seen))
+    out = generate(target, PROMPTS, params, draft=draft, method=method, policy=policy,
+                   options=GenerateOptions(observer=seen))
     assert [c.tokens for c in out.completions] == ref
     assert {0, 1, window} <= set(seen.by_request[0])         # AR, short and full blocks in one request
     # The default path (adaptive, this machine's measured table) is lossless too.
@@ -104,7 +105,8 @@ def test_sampled_distribution_is_exact_while_switching(method, params):
                            max_new_tokens=3, seed=i, ignore_eos=True) for i in range(N)]
     prompt = [3, 5, 7, 2]
     seen = Blocks()
-    out = generate(target, [prompt] * N, rows, draft=draft, method=method, policy=policy, options=GenerateOptions(observer=seen))
+    out = generate(target, [prompt] * N, rows, draft=draft, method=method, policy=policy,
+                   options=GenerateOptions(observer=seen))
     assert len({tuple(b) for b in seen.by_request.values()}) > 2   # rows really followed different schedules
     counts = torch.zeros(VOCAB ** 3)
     for c in out.completions:

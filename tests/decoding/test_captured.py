@@ -212,9 +212,11 @@ def test_generate_compile_equals_eager_as_rows_finish(method):
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 17, 9, 3, 12)]
     eager = generate(target, prompts, params, draft=draft, method=method, policy=PolicyOptions(adapt=False))
     runner = captured_steps(target, draft, compile=False)
-    first = generate(target, prompts, params, draft=draft, method=method, policy=PolicyOptions(adapt=False), options=GenerateOptions(compile=True))
+    first = generate(target, prompts, params, draft=draft, method=method, policy=PolicyOptions(adapt=False),
+                     options=GenerateOptions(compile=True))
     buffers = runner.cache.k
-    again = generate(target, prompts[1:3], params[1:3], draft=draft, method=method, policy=PolicyOptions(adapt=False), options=GenerateOptions(compile=True))
+    again = generate(target, prompts[1:3], params[1:3], draft=draft, method=method, policy=PolicyOptions(adapt=False),
+                     options=GenerateOptions(compile=True))
     assert captured_steps(target, draft) is runner and runner.cache.k is buffers
     want = [c.tokens for c in eager.completions]
     assert [c.tokens for c in first.completions] == want
@@ -234,7 +236,8 @@ def test_seeded_sampling_captured_equals_eager(method):
               SamplingParams(max_new_tokens=8, ignore_eos=True)]
     eager = generate(target, prompts, params, draft=draft, method=method, policy=PolicyOptions(adapt=False))
     captured_steps(target, draft, compile=False)
-    captured = generate(target, prompts, params, draft=draft, method=method, policy=PolicyOptions(adapt=False), options=GenerateOptions(compile=True))
+    captured = generate(target, prompts, params, draft=draft, method=method, policy=PolicyOptions(adapt=False),
+                        options=GenerateOptions(compile=True))
     assert [c.tokens for c in captured.completions] == [c.tokens for c in eager.completions]
     release_captured(target)
 

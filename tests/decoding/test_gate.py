@@ -7,7 +7,7 @@ import torch
 
 from blockspec.config import SamplingParams, temperature_band
 from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.gate import DraftGate, band_groups
+from blockspec.decoding.gate import DraftGate, GateTuning, band_groups
 
 # Drafting a full 3-slot block costs 0.5 s at 1 row and 1.0 s at 4; verify T(n) rises
 # after 4 tokens. With every draft accepted drafting pays; with none it does not.
@@ -24,7 +24,7 @@ def test_temperature_bands():
 def test_greedy_rows_keep_drafting_next_to_sampled_rows_that_do_not_pay():
     """Acceptance is learned per band: the sampled band's misses do not pull the greedy
     rows' curve down, so in a mixed batch exactly the greedy prefix drafts."""
-    gate = DraftGate(TABLE, window=3, full_window=True, explore_every=1000)
+    gate = DraftGate(TABLE, window=3, full_window=True, tuning=GateTuning(explore_every=1000))
     assert gate.decide([0, 0, 2, 2]) == (2, 3)          # greedy band unmeasured: it drafts (explores) first
     gate.update(torch.ones(2, 3), bands=[0, 0])
     assert gate.decide([0, 0, 2, 2]) == (4, 3)          # then the sampled band explores (a prefix: both draft)
@@ -36,7 +36,7 @@ def test_greedy_rows_keep_drafting_next_to_sampled_rows_that_do_not_pay():
     assert gate.decide([0, 0, 2, 2]) == (2, 3)          # greedy rows draft, sampled rows run AR
     assert gate.decide([2, 2]) == (0, 0)
     # One pooled curve (all rows in one band) would have stopped the greedy rows too.
-    pooled = DraftGate(TABLE, window=3, full_window=True, explore_every=1000)
+    pooled = DraftGate(TABLE, window=3, full_window=True, tuning=GateTuning(explore_every=1000))
     pooled.update(torch.ones(2, 3))
     for _ in range(20):
         pooled.update(torch.cat([torch.ones(2, 3), torch.zeros(2, 3)]))
@@ -46,7 +46,8 @@ def test_greedy_rows_keep_drafting_next_to_sampled_rows_that_do_not_pay():
 def test_hysteresis_keeps_the_last_choice_when_rates_are_close():
     """Near the break-even point the gate does not flap between AR and drafting."""
     table = CostTable([1, 4], [1.0, 1.0], draft_rows=[1], draft_times_s=[1.0])   # drafting: 2 s per round
-    gate = DraftGate(table, window=3, full_window=True, explore_every=1000, momentum=0.0, prior_rounds=0.0)
+    gate = DraftGate(table, window=3, full_window=True, tuning=GateTuning(explore_every=1000, momentum=0.0,
+                                                                          prior_rounds=0.0))
     gate.update(torch.tensor([[1.0, 1.0, 0.0]]))       # 3 tokens in 2 s: 1.5 tok/s vs AR 1.0
     assert gate.decide(1) == (1, 3)
     gate.update(torch.tensor([[0.96, 0.0, 0.0]]))      # 1.96 tokens in 2 s: 0.98 tok/s, AR 2% faster
@@ -57,8 +58,8 @@ def test_hysteresis_keeps_the_last_choice_when_rates_are_close():
     assert gate.decide(1) == (0, 0)
     gate.update(torch.tensor([[1.0, 1.0, 0.0]]))
     assert gate.decide(1) == (1, 3)
-    no_margin = DraftGate(table, window=3, full_window=True, explore_every=1000, momentum=0.0, prior_rounds=0.0,
-                          hysteresis=0.0)
+    no_margin = DraftGate(table, window=3, full_window=True, tuning=GateTuning(explore_every=1000, momentum=0.0,
+                                                                               prior_rounds=0.0, hysteresis=0.0))
     no_margin.update(torch.tensor([[1.0, 1.0, 0.0]]))
     assert no_margin.decide(1) == (1, 3)
     no_margin.update(torch.tensor([[0.96, 0.0, 0.0]]))
@@ -70,7 +71,7 @@ def test_a_band_drafting_a_short_block_still_measures_the_full_window():
     then the band drafts the whole window again, or a lucky early estimate would stick."""
     table = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 8.0],
                       draft_slot_times={1: [0.1, 0.4]}, draft_window=3)
-    gate = DraftGate(table, window=3, full_window=True, explore_every=4, momentum=0.7)
+    gate = DraftGate(table, window=3, full_window=True, tuning=GateTuning(explore_every=4, momentum=0.7))
     gate.update(torch.ones(16, 1), 1)                    # slot 1 measured only
     gate.update(torch.zeros(16, 3), 3)                   # ... and one bad full round
     gate.update(torch.ones(16, 1), 1)
@@ -79,7 +80,7 @@ def test_a_band_drafting_a_short_block_still_measures_the_full_window():
 
 
 def test_warm_ar_rounds_price_ar_before_the_first_decision():
-    gate = DraftGate(TABLE, window=3, full_window=True, explore_every=1000, warm_ar_rounds=2)
+    gate = DraftGate(TABLE, window=3, full_window=True, warm_ar_rounds=2, tuning=GateTuning(explore_every=1000))
     assert gate.decide(1) == (1, 3)                      # unmeasured band: explore first
     gate.update(torch.ones(1, 3))
     assert gate.decide(1) == (0, 0)                      # then AR until two AR rounds were timed
@@ -95,7 +96,7 @@ def test_options_of_mixed_bands_equal_the_planner():
     from blockspec.decoding.planner import plan
 
     table = CostTable([1, 8, 32], [1.0, 1.4, 3.0], draft_rows=[1, 8], draft_times_s=[0.3, 1.0])
-    gate = DraftGate(table, window=3, momentum=0.0, prior_rounds=0.0)
+    gate = DraftGate(table, window=3, tuning=GateTuning(momentum=0.0, prior_rounds=0.0))
     gate.update(torch.tensor([[0.9, 0.8, 0.5]] * 3), bands=[0, 0, 0])
     gate.update(torch.tensor([[0.6, 0.2, 0.1]] * 2), bands=[2, 2])
     groups = band_groups([0, 0, 0, 2, 2])

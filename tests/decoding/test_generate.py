@@ -84,17 +84,20 @@ def test_oracle_drafts_long_runs_and_stop_inside_run(monkeypatch, target64, ar_r
     oracle = GenerateOptions(forwards=lambda inner: OracleForwards(inner, full, corrupt_every=3))
     draft = make_draft(target64, layout, block_size, markov_rank=rank, markov_type=kind, confidence=confidence)
     # Fixed windows: every round drafts, so the oracle's long runs are what is tested.
-    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True), draft=draft, policy=PolicyOptions(adapt=False), options=oracle)
+    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True), draft=draft,
+                   policy=PolicyOptions(adapt=False), options=oracle)
     assert [c.tokens for c in out.completions] == ar_reference
     assert out.tau > 2.0  # long accepted runs really happened
     # A stop token that occurs mid-continuation truncates inside an accepted run.
     stop = ar_reference[0][9]
     cut = [ref[:ref.index(stop)] if stop in ref else ref for ref in ar_reference]
-    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=24, stop_token_ids=[stop], ignore_eos=True), draft=draft, policy=PolicyOptions(adapt=False), options=oracle)
+    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=24, stop_token_ids=[stop], ignore_eos=True),
+                   draft=draft, policy=PolicyOptions(adapt=False), options=oracle)
     assert [c.tokens for c in out.completions] == cut
     assert [c.finish_reason for c in out.completions][0] == "stop"
     # max_new_tokens inside an accepted run
-    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=7, ignore_eos=True), draft=draft, policy=PolicyOptions(adapt=False), options=oracle)
+    out = generate(target64, PROMPTS, SamplingParams(max_new_tokens=7, ignore_eos=True), draft=draft,
+                   policy=PolicyOptions(adapt=False), options=oracle)
     assert [c.tokens for c in out.completions] == [ref[:7] for ref in ar_reference]
 
 

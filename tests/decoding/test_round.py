@@ -110,7 +110,8 @@ def test_observers_see_every_round(target64):
             seen.append((list(requests), list(outcome.accepted), outcome.raw_confidence.shape))
 
     params = SamplingParams(max_new_tokens=17, ignore_eos=True)
-    out = generate(target64, PROMPTS, params, draft=draft, policy=PolicyOptions(adapt=False), options=GenerateOptions(observer=Observer()))
+    out = generate(target64, PROMPTS, params, draft=draft, policy=PolicyOptions(adapt=False),
+                   options=GenerateOptions(observer=Observer()))
     assert len(seen) == out.timing.rounds
     assert [a for requests, acc, _ in seen for r, a in zip(requests, acc) if r == 1] == \
         out.completions[1].stats.accepted

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from blockspec.decoding.cost_table import CostTable, interpolate, model_signature, profile_cost_table
-from blockspec.decoding.gate import DraftGate
+from blockspec.decoding.cost_table import CostTable, interpolate, model_signature, ProfileOptions, profile_cost_table
+from blockspec.decoding.gate import DraftGate, GateTuning
 from blockspec.decoding.planner import admit, plan
 from blockspec.decoding.policy import ConfidenceCalibration
 from blockspec.errors import BlockspecError
@@ -169,7 +169,7 @@ def test_gate_rates_known_answer():
 
 
 def test_gate_asks_the_planner_with_the_mean_survival_curve():
-    gate = DraftGate(GATE_TABLE, window=3, momentum=0.5, explore_rows=2, prior_rounds=1.0)
+    gate = DraftGate(GATE_TABLE, window=3, tuning=GateTuning(momentum=0.5, explore_rows=2, prior_rounds=1.0))
     # An early-stopped proposal of a 3-slot block: slot 3 = 0. Two request-rounds
     # next to the prior's one of full survival.
     gate.update(torch.tensor([[0.9, 0.5], [0.7, 0.3]]), 3)
@@ -192,11 +192,12 @@ def test_gate_asks_the_planner_with_the_mean_survival_curve():
 
 def test_full_window_gate_prices_every_draft():
     """DFlash / unscheduled DSpark verify every draft: the rate counts the whole window."""
-    gate = DraftGate(GATE_TABLE, window=3, full_window=True, momentum=0.0, prior_rounds=0.0)  # the last round alone
+    gate = DraftGate(GATE_TABLE, window=3, full_window=True,
+                     tuning=GateTuning(momentum=0.0, prior_rounds=0.0))  # the last round alone
     gate.update(torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))   # measured prefix acceptance
     spec, ar, _ = gate.expected_rates(16)
     assert spec == pytest.approx((16 + 16 * 1.5) / (8.0 + 4.0))    # 16 rows x 4 tokens = T(64)
-    planned = DraftGate(GATE_TABLE, window=3, momentum=0.0, prior_rounds=0.0)
+    planned = DraftGate(GATE_TABLE, window=3, tuning=GateTuning(momentum=0.0, prior_rounds=0.0))
     planned.update(torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
     assert planned.expected_rates(16)[0] > spec                   # the planner drops the dead slot
 
@@ -206,7 +207,7 @@ def test_gate_shortens_the_block_under_load():
     its draft costs a fraction of the full block's."""
     table = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 8.0],
                       draft_slot_times={1: [0.1, 0.4]}, draft_window=3)
-    gate = DraftGate(table, window=3, full_window=True, explore_every=1000, momentum=0.7)
+    gate = DraftGate(table, window=3, full_window=True, tuning=GateTuning(explore_every=1000, momentum=0.7))
     assert gate.block_choices == [1, 3]
     gate.update(torch.ones(4, 3))
     spec, ar, block = gate.expected_rates(1)
@@ -222,7 +223,7 @@ def test_gate_shortens_the_block_under_load():
     assert gate.curves[0].tolist() == pytest.approx([(0.5 + 4 * d) / (0.5 + 4 * d + 16), 1.0, 1.0])   # prior 0.5
     assert gate.decide(16) == (0, 0)                              # slot 1 never survives: AR
     # The curve the planner sees stays a prefix survival (never rising with the slot).
-    gate2 = DraftGate(table, window=3, momentum=0.0, prior_rounds=0.0)
+    gate2 = DraftGate(table, window=3, tuning=GateTuning(momentum=0.0, prior_rounds=0.0))
     gate2.update(torch.tensor([[1.0, 0.2, 0.2]]))
     gate2.update(torch.tensor([[0.1]]), 1)
     assert gate2.curves[0].tolist() == pytest.approx([0.1, 0.2, 0.2])
@@ -255,7 +256,7 @@ def test_gate_scales_the_table_by_measured_round_times():
 def test_gate_follows_measured_costs_to_ar():
     """The table alone says drafting pays at 1 row (4 tokens in 1.5 s vs 1 in 1 s);
     measured rounds say it does not."""
-    gate = DraftGate(GATE_TABLE, window=3, full_window=True, explore_every=1000)
+    gate = DraftGate(GATE_TABLE, window=3, full_window=True, tuning=GateTuning(explore_every=1000))
     gate.update(torch.ones(1, 3))
     assert gate.decide(1)[0] == 1
     for _ in range(30):
@@ -268,20 +269,20 @@ def test_gate_survival_is_a_mean_over_request_rounds():
     """At batch 1 a hard start does not switch drafting off at once: three
     request-rounds stand next to the prior's one; a round of many rows outweighs it."""
     table = CostTable([1, 16, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 0.5])
-    gate = DraftGate(table, window=3, full_window=True, explore_every=1000, prior_rounds=1.0)
+    gate = DraftGate(table, window=3, full_window=True, tuning=GateTuning(explore_every=1000, prior_rounds=1.0))
     for _ in range(3):                                  # three rounds that accept nothing
         gate.update(torch.zeros(1, 3))
     assert gate.decide(1)[0] == 1                   # still drafting: 3 samples of 1 row
     d = 0.95 ** 0.25
     assert gate.curves[0][0] == pytest.approx(1 / (1 + 1 + d + d * d))
-    many = DraftGate(table, window=3, full_window=True, explore_every=1000, prior_rounds=1.0)
+    many = DraftGate(table, window=3, full_window=True, tuning=GateTuning(explore_every=1000, prior_rounds=1.0))
     many.update(torch.zeros(16, 3))                     # 16 rows that accept nothing
     assert float(many.curves[0].max()) == pytest.approx(1 / 17)
     assert many.decide(16)[0] == 0
 
 
 def test_gate_measures_with_few_rows_then_follows_measurements():
-    gate = DraftGate(GATE_TABLE, window=3, momentum=0.7)
+    gate = DraftGate(GATE_TABLE, window=3, tuning=GateTuning(momentum=0.7))
     assert gate.decide(16)[0] == 4             # unmeasured: a few rows explore (explore_rows=4)
     assert gate.decide(2)[0] == 2
     gate.update(torch.ones(1, 3))
@@ -292,7 +293,7 @@ def test_gate_measures_with_few_rows_then_follows_measurements():
 
 
 def test_gate_explores_after_a_run_of_undrafted_rounds():
-    gate = DraftGate(GATE_TABLE, window=3, explore_every=4, explore_rows=1)
+    gate = DraftGate(GATE_TABLE, window=3, tuning=GateTuning(explore_every=4, explore_rows=1))
     gate.update(torch.zeros(1, 3))                 # drafting never pays
     decisions = [gate.decide(16)[0] for _ in range(4 + 8 + 16)]
     explored = [i for i, d in enumerate(decisions) if d]
@@ -303,7 +304,7 @@ def test_gate_explores_after_a_run_of_undrafted_rounds():
     assert all(gate.decide(1)[0] == 1 for _ in range(5))
     assert gate.interval[0] == 4                 # a win resets the back-off
     with pytest.raises(BlockspecError, match="explore_every"):
-        DraftGate(GATE_TABLE, window=3, explore_every=0)
+        DraftGate(GATE_TABLE, window=3, tuning=GateTuning(explore_every=0))
 
 
 def test_gate_without_draft_times_always_drafts():
@@ -340,7 +341,7 @@ def test_profile_with_a_draft_measures_draft_rounds():
 
     target = make_target()
     draft = make_draft(target, "zlab", 4)
-    table = profile_cost_table(target, [1, 2], repeats=1, rows=2, context=4, warmup=0, draft=draft,
+    table = profile_cost_table(target, [1, 2], ProfileOptions(repeats=1, rows=2, context=4, warmup=0), draft=draft,
                                draft_rows=[2, 1])
     assert table.draft_rows == [1, 2] and len(table.draft_times_s) == 2
     assert all(t > 0 for t in table.draft_times_s)

@@ -26,7 +26,7 @@ def count_profiles(monkeypatch) -> list[int]:
     real = table_cache.profile_cost_table
 
     def counted(*args, **kwargs):
-        calls.append(kwargs["rows"])
+        calls.append(args[2].rows)
         return real(*args, **kwargs)
     monkeypatch.setattr(table_cache, "profile_cost_table", counted)
     return calls

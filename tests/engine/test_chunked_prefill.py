@@ -38,7 +38,8 @@ def engine_for(target, method: str, chunk: int, max_running: int = 3) -> Engine:
         draft = make_draft(target, "zlab", 4)
     elif method == "dspark":
         draft = make_draft(target, "deepspec", 4, markov_rank=4, markov_type="gated", confidence=True)
-    return Engine(target, draft, method, max_running=max_running, max_model_len=80, options=EngineOptions(prefill_chunk_tokens=chunk))
+    return Engine(target, draft, method, max_running=max_running, max_model_len=80,
+                  options=EngineOptions(prefill_chunk_tokens=chunk))
 
 
 def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:

@@ -205,7 +205,8 @@ def test_seeded_sampling_is_independent_of_the_batch(target64, requests, config)
     handles, _ = drive(engine, mixed, seed=5, cancel_waiting=-1, cancel_running=4)
     for i, prompt, params in [(0, PROMPTS[0], sampled[0]), (2, PROMPTS[2], sampled[1])]:
         # Same drafting schedule (fixed windows): the same draws, so the same tokens.
-        alone = generate(target64, [prompt], params, draft=engine.draft, policy=PolicyOptions(adapt=False)).completions[0].tokens
+        alone = generate(target64, [prompt], params, draft=engine.draft,
+                         policy=PolicyOptions(adapt=False)).completions[0].tokens
         assert handles[i].result().tokens == alone
 
 
@@ -323,17 +324,20 @@ def sample_under_load(engine: Engine, params: SamplingParams) -> torch.Tensor:
 
 def sampling_engine(target, method: str, calibrate: bool = True) -> Engine:
     if method == "dflash":
-        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24, policy=PolicyOptions(adapt=False))
+        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24,
+                      policy=PolicyOptions(adapt=False))
     if method == "dflash-gated":
         table = CostTable([1, 10000], [1.0, 51.0], draft_rows=[1, 10000], draft_times_s=[0.01, 500.0],
                           draft_slot_times={1: [0.005, 200.0]}, draft_window=3)
-        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24, policy=PolicyOptions(cost_table=table, draft_gate=True, gate_feedback=False))
+        return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24,
+                      policy=PolicyOptions(cost_table=table, draft_gate=True, gate_feedback=False))
     draft = make_draft(target, "deepspec", 3, seed=5, markov_rank=4, markov_type="gated", confidence=True)
     table = CostTable([1, 10000], [1.0, 51.0])
     if method == "dspark-gated":  # drafting pays only with few running requests
         table = CostTable([1, 10000], [1.0, 51.0], draft_rows=[1, 10000], draft_times_s=[0.01, 500.0],
                           draft_slot_times={1: [0.005, 200.0]}, draft_window=3)
-    return Engine(target, draft, "dspark", max_running=1024, max_model_len=24, policy=PolicyOptions(scheduled=True, cost_table=table, gate_feedback=False, calibrate=calibrate))
+    policy = PolicyOptions(scheduled=True, cost_table=table, gate_feedback=False, calibrate=calibrate)
+    return Engine(target, draft, "dspark", max_running=1024, max_model_len=24, policy=policy)
 
 
 @pytest.mark.parametrize("method, params", [
@@ -413,10 +417,12 @@ def test_draft_gate_needs_a_speculative_method_and_draft_times(target64):
     with pytest.raises(BlockspecError, match="draft_gate needs"):
         Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True, adapt=False))           # no table
     with pytest.raises(BlockspecError, match="draft_gate needs"):
-        Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True, cost_table=SCHED_TABLE))  # no draft times
+        Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True,
+                                                               cost_table=SCHED_TABLE))  # no draft times
     with pytest.raises(BlockspecError, match="draft_gate needs"):
         Engine(target64, None, "ar", policy=PolicyOptions(draft_gate=True, cost_table=GATED_TABLE))
-    assert Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True, cost_table=GATED_TABLE)).metrics()["draft_gate"]
+    assert Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True,
+                                                                  cost_table=GATED_TABLE)).metrics()["draft_gate"]
     with pytest.raises(BlockspecError, match="cost table is used by"):   # never silently ignored
         PolicyOptions(cost_table=GATED_TABLE, adapt=False)
 
@@ -445,7 +451,9 @@ def test_gate_observes_every_round_it_gated(monkeypatch, target64, requests, con
     table = GATED_TABLE
     draft = (make_draft(target64, "zlab", 4) if config == "dflash-gated" else
              make_draft(target64, "deepspec", 3, markov_rank=4, markov_type="gated", confidence=True))
-    engine = Engine(target64, draft, "dflash" if config == "dflash-gated" else "dspark", max_running=3, max_model_len=64, policy=PolicyOptions(scheduled=config == "dspark-scheduled", cost_table=table, draft_gate=True))
+    engine = Engine(target64, draft, "dflash" if config == "dflash-gated" else "dspark", max_running=3,
+                    max_model_len=64, policy=PolicyOptions(scheduled=config == "dspark-scheduled", cost_table=table,
+                                                           draft_gate=True))
     seen = []
     real = engine.policy.gate.observe
     monkeypatch.setattr(engine.policy.gate, "observe", lambda *a, **kw: (seen.append(a), real(*a, **kw)))
@@ -468,7 +476,8 @@ def test_kv_budget_sets_the_slot_count(target64):
     with pytest.raises(BlockspecError, match="holds no request slot"):
         build(target64, "dflash", kv_memory_gb=0.5 * per_slot / 2**30)
     with pytest.raises(BlockspecError, match="confidence head"):
-        Engine(target64, make_draft(target64, "zlab", 4), "dflash", policy=PolicyOptions(scheduled=True, cost_table=SCHED_TABLE))
+        Engine(target64, make_draft(target64, "zlab", 4), "dflash", policy=PolicyOptions(scheduled=True,
+                                                                                         cost_table=SCHED_TABLE))
 
 
 def test_requests_beyond_slots_wait_then_run(target64, requests):

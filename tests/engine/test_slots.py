@@ -45,5 +45,6 @@ def test_engine_orders_rows_greedy_first_and_outputs_stay_exact():
     assert [q.params.band for q in engine._running] == [0, 0, 2, 3]
     engine.run_until_done()
     for h, p, sp in zip(handles, prompts, params):
-        ref = generate(target, [p], sp, draft=draft, policy=PolicyOptions(adapt=False)) if sp.temperature else generate(target, [p], sp)
+        ref = generate(target, [p], sp, draft=draft,
+                       policy=PolicyOptions(adapt=False)) if sp.temperature else generate(target, [p], sp)
         assert h.result().tokens == ref.completions[0].tokens

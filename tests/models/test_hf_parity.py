@@ -273,5 +273,6 @@ def test_compiled_decode_matches_transformers_generate(checkpoints, case):
     prompt = sequence(10, seed=5).tolist()
     want = ref.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None,
                         pad_token_id=0)[0, len(prompt):].tolist()
-    out = generate(ours, [prompt], SamplingParams(max_new_tokens=14, ignore_eos=True), options=GenerateOptions(compile=True))
+    out = generate(ours, [prompt], SamplingParams(max_new_tokens=14, ignore_eos=True),
+                   options=GenerateOptions(compile=True))
     assert ours.decode_compiled and out.completions[0].tokens == want

@@ -320,12 +320,12 @@ def test_speculation_aliases(dirs):
 
 
 def test_draft_gate_flag_gates_any_speculative_method(dirs, tmp_path):
-    from blockspec.decoding.cost_table import profile_cost_table
+    from blockspec.decoding.cost_table import ProfileOptions, profile_cost_table
     from blockspec.models.checkpoint import load_draft
 
     target_dir, draft_dir = map(str, dirs)
     target = load_target(target_dir)
-    table = profile_cost_table(target, [1, 2, 4], repeats=1, rows=2, context=4, warmup=0,
+    table = profile_cost_table(target, [1, 2, 4], ProfileOptions(repeats=1, rows=2, context=4, warmup=0),
                                draft=load_draft(draft_dir, target=target), draft_rows=[1, 2])
     table.save(tmp_path / "table.json")
     engine, _, _ = build_engine(serve_args("--target", target_dir, "--draft", draft_dir, "--draft-gate",

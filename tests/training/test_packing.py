@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec.training.data import Example, collate, collate_packed, pack_rows
-from blockspec.training.objective import DraftObjective, anchor_generators, prepare
+from blockspec.training.objective import AnchorSpec, DraftObjective, anchor_generators, prepare
 from conftest import make_draft, make_target
 
 LENGTHS = [(5, 19), (9, 14), (3, 26), (7, 11)]   # (prompt, response) of four examples
@@ -22,8 +22,8 @@ def examples(vocab: int) -> list[Example]:
 def run(target, draft, exs, pack: bool, max_len: int = 64):
     rows = collate_packed(exs, 0, max_len) if pack else None
     ids, mask = (rows.ids, rows.loss_mask) if pack else collate(exs, 0)
-    x = prepare(target, draft, ids, mask, anchor_generators(0, 0, list(range(len(exs)))), num_anchors=4,
-                decay=4.0, packed_rows=rows)
+    x = prepare(target, draft, ids, mask, anchor_generators(0, 0, list(range(len(exs)))), AnchorSpec(4, 4.0),
+                packed_rows=rows)
     draft.zero_grad(set_to_none=True)
     sums = DraftObjective(draft, target, ce_chunk=5)(x)
     sums[0].backward()

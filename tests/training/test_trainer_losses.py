@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec.training.losses import SUMS, dflash_loss, dspark_loss
-from blockspec.training.objective import DraftObjective, anchor_generators, prepare
+from blockspec.training.objective import AnchorSpec, DraftObjective, anchor_generators, prepare
 from conftest import make_draft, make_target
 
 
@@ -26,7 +26,7 @@ def objective_sums(layout, markov, confidence, ce_chunk, grad_checkpoint=False):
     draft = make_draft(target, layout, 4, markov_rank=8 if markov else 0, markov_type=markov or "vanilla",
                        confidence=confidence, layers=2, dtype=torch.float64).train().requires_grad_(True)
     ids, mask = batch(target.config.vocab_size)
-    x = prepare(target, draft, ids, mask, anchor_generators(0, 0, [0, 1, 2]), num_anchors=5, decay=4.0)
+    x = prepare(target, draft, ids, mask, anchor_generators(0, 0, [0, 1, 2]), AnchorSpec(5, 4.0))
     obj = DraftObjective(draft, target, ce_chunk=ce_chunk, grad_checkpoint=grad_checkpoint)
     sums = obj(x)
     sums[0].backward()

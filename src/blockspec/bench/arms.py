@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from blockspec.config import METHODS as GENERATE_METHODS, SamplingParams
-from blockspec.decoding.cost_table import CostTable, profile_cost_table
+from blockspec.decoding.cost_table import CostTable, ProfileOptions, profile_cost_table
 from blockspec.decoding.generate import GenerateOptions, Timing, generate
 from blockspec.decoding.output import RequestStats
 from blockspec.decoding.policy import PolicyOptions, RoundPolicy
@@ -264,7 +264,7 @@ def _cost_table(target: TargetModel, drafts: Sequence[DraftModel], path: str | P
         return table
     window = max(d.config.num_drafts for d in drafts) + 1
     capture = tuple(drafts[0].config.target_layer_ids)
-    table = profile_cost_table(target, list(range(1, window + 1)), repeats=3, rows=1, capture=capture,
+    table = profile_cost_table(target, list(range(1, window + 1)), ProfileOptions(repeats=3, rows=1), capture=capture,
                                draft=drafts[0], draft_rows=[1])
     notes.append(f"dspark-scheduled: cost table profiled at start (n = 1..{window}, full and one-slot draft rounds, "
                  "batch 1, fastest of 3)")

@@ -26,7 +26,7 @@ from blockspec.bench.measure import (ArmTotals, calibrates, collect_calibration,
 from blockspec.bench.quality import code_quality
 from blockspec.bench.report import group_plots, slug, summarize, write_outputs
 from blockspec.config import DRAFT_METHODS, RULES
-from blockspec.decoding.cost_table import profile_cost_table
+from blockspec.decoding.cost_table import ProfileOptions, profile_cost_table
 from blockspec.errors import BlockspecError
 from blockspec.loading import draft_kind, load_drafts
 from blockspec.models.checkpoint import load_target, resolve_device
@@ -235,7 +235,7 @@ def _concurrency(setup: BenchSetup, prompt_ids: list[list[int]], levels: Sequenc
     if "dspark-scheduled" in setup.methods and dspark is not None and dspark.confidence_head is not None:
         window = max(levels) * (dspark.config.num_drafts + 1)
         ns = sorted({1, window} | {2 ** i for i in range(window.bit_length()) if 2 ** i < window})
-        table = profile_cost_table(setup.target, ns, repeats=3, rows=min(16, max(levels)),
+        table = profile_cost_table(setup.target, ns, ProfileOptions(repeats=3, rows=min(16, max(levels))),
                                    capture=tuple(dspark.config.target_layer_ids), draft=dspark,
                                    draft_rows=sorted(set(levels)))
         notes.append(f"throughput vs concurrency: dspark-scheduled plans with a cost table profiled at start "

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,19 +263,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProfileOptions:
+    """How `profile_cost_table` measures: the fastest of `repeats` timed runs after `warmup`
+    untimed ones, over up to `rows` rows each holding `context` cached positions, random
+    tokens from `seed`; shorter draft blocks of `draft_slots` drafts (default
+    `DRAFT_SLOT_COUNTS` below the window)."""
+
+    repeats: int = 5
+    rows: int = 8
+    context: int = 128
+    warmup: int = 2
+    seed: int = 0
+    draft_slots: Sequence[int] | None = None
+
+
 @torch.inference_mode()
-def profile_cost_table(target: TargetModel, ns: list[int], repeats: int = 5, *, rows: int = 8,
-                       context: int = 128, capture: tuple[int, ...] = (), warmup: int = 2,
-                       seed: int = 0, draft: DraftModel | None = None,
-                       draft_rows: list[int] | None = None, draft_slots: list[int] | None = None) -> CostTable:
+def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptions | None = None, *,
+                       capture: tuple[int, ...] = (), draft: DraftModel | None = None,
+                       draft_rows: list[int] | None = None) -> CostTable:
     """Measure the packed verify forward (`TargetModel.forward_packed`) for each n.
 
     n tokens are spread over min(n, rows) rows, each already holding `context`
-    cached positions. Each time is the fastest of `repeats` runs (on a shared machine
-    noise only ever adds time) and times never fall as n grows (a running maximum),
-    so one noisy point cannot make the planner see free tokens. With a draft, also
-    the draft round for each of `draft_rows`, over the full block and over shorter
-    blocks of `draft_slots` drafts (default `DRAFT_SLOT_COUNTS` below the window)."""
+    cached positions (`ProfileOptions`). Each time is the fastest of `repeats` runs (on
+    a shared machine noise only ever adds time) and times never fall as n grows (a
+    running maximum), so one noisy point cannot make the planner see free tokens. With a
+    draft, also the draft round for each of `draft_rows`, over the full block and over
+    shorter blocks."""
+    o = options or ProfileOptions()
+    repeats, rows, context, warmup, seed, draft_slots = o.repeats, o.rows, o.context, o.warmup, o.seed, o.draft_slots
     if not ns or repeats < 1 or rows < 1 or context < 0:
         raise BlockspecError("profile_cost_table needs ns, repeats >= 1, rows >= 1, context >= 0")
     ns = sorted(set(int(n) for n in ns))

@@ -51,6 +51,25 @@ def band_groups(bands: Sequence[int]) -> Groups:
     return tuple((b, n) for b, n in out)
 
 
+@dataclass(frozen=True, kw_only=True)
+class GateTuning:
+    """The draft gate's learning and exploration constants (`DraftGate`'s docstring):
+    curve momentum per request-round group, exploration interval and rows, hysteresis,
+    and the weight of the optimistic prior in request-rounds."""
+
+    momentum: float = 0.95
+    explore_every: int = 8
+    explore_rows: int = 4
+    hysteresis: float = 0.05
+    prior_rounds: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.explore_every < 1:
+            raise BlockspecError("explore_every must be >= 1")
+        if not 0.0 <= self.hysteresis < 1.0:
+            raise BlockspecError(f"hysteresis must be in [0, 1), got {self.hysteresis!r}")
+
+
 class DraftGate:
     """Which running requests draft this round (all, none, the first bands, or a few to
     explore), and how long a block they draft (docs/design.md section 5.4).
@@ -87,19 +106,16 @@ class DraftGate:
     full_window: the drafting rows verify every draft of their block (DFlash,
     DSpark unscheduled) instead of the planned lengths."""
 
-    def __init__(self, table: CostTable, window: int, momentum: float = 0.95, explore_every: int = 8,
-                 min_survival: float = 0.0, explore_rows: int = 4, full_window: bool = False,
-                 hysteresis: float = 0.05, prior_rounds: float = 0.5, warm_ar_rounds: int = 0) -> None:
-        if explore_every < 1:
-            raise BlockspecError("explore_every must be >= 1")
+    def __init__(self, table: CostTable, window: int, *, min_survival: float = 0.0, full_window: bool = False,
+                 warm_ar_rounds: int = 0, tuning: GateTuning | None = None) -> None:
         if window < 1:
             raise BlockspecError("the draft window must be >= 1")
-        if not 0.0 <= hysteresis < 1.0:
-            raise BlockspecError(f"hysteresis must be in [0, 1), got {hysteresis!r}")
-        self.full_window, self.hysteresis, self.prior_rounds = full_window, hysteresis, prior_rounds
+        tuning = tuning or GateTuning()
+        self.full_window, self.hysteresis, self.prior_rounds = full_window, tuning.hysteresis, tuning.prior_rounds
         self.warm_ar_rounds = warm_ar_rounds
-        self.table, self.window, self.momentum = table, window, momentum
-        self.explore_every, self.min_survival, self.explore_rows = explore_every, min_survival, explore_rows
+        self.table, self.window, self.momentum = table, window, tuning.momentum
+        self.explore_every, self.explore_rows = tuning.explore_every, tuning.explore_rows
+        self.min_survival = min_survival
         # Block lengths to price: the table's measured ones below the window, and the window.
         self.block_choices = [s for s in table.draft_slot_counts if s < window] + [window]
         self.curves: dict[int, torch.Tensor] = {}   # band -> [window] mean prefix survival

@@ -177,7 +177,8 @@ def _start(target: TargetModel, draft: DraftModel | None, prompts: list[list[int
     # compile: speculative rounds (every round on CUDA) run as captured static steps
     # (decoding/captured.py); CPU AR keeps its tuned compiled decode step.
     compile = options.compile
-    captured = captured_steps(target, draft) if compile and (draft is not None or target.device.type == "cuda") else None
+    captured = (captured_steps(target, draft) if compile and (draft is not None or target.device.type == "cuda")
+                else None)
     if compile and captured is None:
         target.compile_decode()
     if captured is not None or (draft is None and target.decode_compiled):

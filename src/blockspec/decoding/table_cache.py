@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from blockspec.decoding.cost_table import (DRAFT_SLOT_COUNTS, CostTable, dtype_name, machine_signature,
-                                           model_signature, profile_cost_table)
+from blockspec.decoding.cost_table import (DRAFT_SLOT_COUNTS, CostTable, ProfileOptions, dtype_name,
+                                           machine_signature, model_signature, profile_cost_table)
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
@@ -89,9 +89,9 @@ def cached_cost_table(target: TargetModel, draft: DraftModel, rows: int = 1, *, 
         ns, draft_rows = profile_points(rows, draft.config.num_drafts)
         log.warning("blockspec: measuring the verify / draft cost table for this machine and model pair "
                     "(once; cached at %s)", path)
-        table = profile_cost_table(target, ns, repeats=repeats, rows=rows, warmup=1,
-                                   capture=tuple(draft.config.target_layer_ids), draft=draft,
-                                   draft_rows=draft_rows, draft_slots=list(DRAFT_SLOT_COUNTS))
+        options = ProfileOptions(repeats=repeats, rows=rows, warmup=1, draft_slots=list(DRAFT_SLOT_COUNTS))
+        table = profile_cost_table(target, ns, options, capture=tuple(draft.config.target_layer_ids), draft=draft,
+                                   draft_rows=draft_rows)
         table.meta["key"] = key
         _save(table, path)
     _MEMO[digest] = table

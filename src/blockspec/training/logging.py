@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,20 @@ def trim_log(path: Path, upto_step: int) -> None:
     path.write_text("".join(line + "\n" for line in keep))
 
 
+@dataclass(frozen=True)
+class LogSinks:
+    """Where step records go besides log.jsonl: TensorBoard event files in `logdir`
+    (needs tensorboard) and / or a Weights & Biases run in `wandb_project` (needs wandb)."""
+
+    logdir: str = ""
+    wandb: bool = False
+    wandb_project: str = "blockspec"
+
+
 class TrainLogger:
     def __init__(self, out: Path, enabled: bool, total: int, start_step: int, title: str, *,
-                 logdir: str = "", wandb: bool = False, wandb_project: str = "blockspec",
-                 config: dict[str, Any] | None = None) -> None:
+                 sinks: LogSinks = LogSinks(), config: dict[str, Any] | None = None) -> None:
+        logdir, wandb, wandb_project = sinks.logdir, sinks.wandb, sinks.wandb_project
         self.enabled = enabled
         self._tb = self._wandb = None
         self._log = None

@@ -45,9 +45,17 @@ def anchor_generators(seed: int, epoch: int, indices: list[int]) -> list[torch.G
     return [torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_000_019 + i) for i in indices]
 
 
+@dataclass(frozen=True)
+class AnchorSpec:
+    """Anchors sampled per sequence, and the decay of the per-slot loss weights (`slot_weights`)."""
+
+    num_anchors: int
+    decay: float
+
+
 @torch.no_grad()
 def prepare(target: TargetModel, draft: DraftModel, ids: torch.Tensor, loss_mask: torch.Tensor,
-            gens: list[torch.Generator], num_anchors: int, decay: float, zero_weight: bool = False,
+            gens: list[torch.Generator], spec: AnchorSpec, zero_weight: bool = False,
             packed_rows: PackedRows | None = None) -> StepInputs:
     """Anchors, the target's features and the labels of one micro-batch. `zero_weight`: a
     stand-in batch for a rank without data this micro-step (it runs for the collectives
@@ -57,6 +65,7 @@ def prepare(target: TargetModel, draft: DraftModel, ids: torch.Tensor, loss_mask
     cfg = draft.config
     g = cfg.num_drafts
     b, t = ids.shape
+    num_anchors, decay = spec.num_anchors, spec.decay
     extra: dict = {}
     if packed_rows is None:
         anchors, valid = sample_anchors(loss_mask.cpu(), g, num_anchors, gens)

@@ -41,9 +41,9 @@ from blockspec.training import distributed as D
 from blockspec.training.conversations import end_of_turn_ids
 from blockspec.training.data import EpochBatches, Example, collate, collate_packed, load_examples, resolve_mask_token_id
 from blockspec.training.eagle3 import Eagle3Objective, greedy_acceptance, prepare_eagle3, select_vocabulary
-from blockspec.training.logging import TrainLogger
+from blockspec.training.logging import LogSinks, TrainLogger
 from blockspec.training.losses import SUMS
-from blockspec.training.objective import DraftObjective, anchor_generators, prepare, uses_target_probs
+from blockspec.training.objective import AnchorSpec, DraftObjective, anchor_generators, prepare, uses_target_probs
 from blockspec.training.train_config import (BUDGET_CALIBRATION_STEPS, Schedule, TrainConfig, draft_config_for,
                                              eagle3_config_for, fit_to_budget, lr_at, scheduler_state, warm_start)
 
@@ -257,9 +257,9 @@ def train_step(run: Run) -> dict:
         if isinstance(run.draft, Eagle3Draft):
             inputs.append(prepare_eagle3(run.target, run.draft, ids, loss_mask, cfg.ttt_steps, zero, rows))
             continue
+        spec = AnchorSpec(cfg.num_anchors, cfg.decay(run.draft.config.num_drafts))
         inputs.append(prepare(run.target, run.draft, ids, loss_mask, anchor_generators(cfg.seed, epoch, idx or [0]),
-                              cfg.num_anchors, cfg.decay(run.draft.config.num_drafts), zero_weight=zero,
-                              packed_rows=rows))
+                              spec, zero_weight=zero, packed_rows=rows))
     # Normalise by the weight of the whole global batch: the same update on 1 or N processes.
     weight = D.all_reduce_sum(torch.stack([x.weights.sum() for x in inputs]).sum().double().reshape(1), d)
     scale = d.world / weight.clamp(min=1e-8).float()          # DDP / FSDP average over ranks
@@ -386,8 +386,9 @@ def train(cfg: TrainConfig) -> dict:
     d = run.d
     t_start = time.time() - run.elapsed
     run_start, run_t0 = run.step, time.time()
-    with TrainLogger(run.out, d.main, run.total, run.step, f"train {cfg.method}", logdir=cfg.logdir,
-                     wandb=cfg.wandb, wandb_project=cfg.wandb_project, config=asdict(cfg)) as log:
+    sinks = LogSinks(cfg.logdir, cfg.wandb, cfg.wandb_project)
+    with TrainLogger(run.out, d.main, run.total, run.step, f"train {cfg.method}", sinks=sinks,
+                     config=asdict(cfg)) as log:
         while run.step < run.total:
             rec = train_step(run)
             budgeted = fit_to_budget(cfg, run.step, run.total, run_start, time.time() - run_t0, time.time() - t_start)
