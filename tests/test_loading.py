@@ -6,12 +6,7 @@ import pytest
 
 from blockspec import embedded
 from blockspec.errors import BlockspecError
-from blockspec.loading import draft_kind, load_drafts, load_models
-
-
-def test_draft_kind():
-    assert [draft_kind(m) for m in ("ar", "hf", "dflash", "dspark", "dspark-scheduled")] == \
-        [None, None, "dflash", "dspark", "dspark"]
+from blockspec.loading import load_drafts, load_models
 
 
 def test_load_models_ar_has_no_draft():
@@ -32,10 +27,12 @@ def test_load_models_missing_target(tmp_path):
         load_models(tmp_path / "missing")
 
 
-def test_load_drafts_loads_what_the_methods_need():
+def test_load_drafts_loads_the_kinds_asked_for():
     target = load_models().target
-    assert load_drafts(target, {}, ["ar", "hf"]) == {}
-    loaded = load_drafts(target, {"dspark": None}, ["ar", "dspark-scheduled"])
+    assert load_drafts(target, {}, []) == {}
+    with pytest.raises(BlockspecError, match="unknown draft kind"):
+        load_drafts(target, {}, ["dspark-scheduled"])
+    loaded = load_drafts(target, {"dspark": None}, ["dspark"])
     assert list(loaded) == ["dspark"] and loaded["dspark"].config.is_dspark
     assert set(load_drafts(target, {}, ["dflash", "dspark"])) == {"dflash", "dspark"}
 

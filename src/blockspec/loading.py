@@ -51,12 +51,6 @@ class LoadedModels:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
-def draft_kind(method: str) -> str | None:
-    """The draft a method runs: "dflash" / "dspark" (variants such as "dspark-scheduled" included), else None."""
-    kind = method.split("-", 1)[0]
-    return kind if kind in DRAFT_METHODS else None
-
-
 def load_generation_defaults(target_dir: str | Path) -> GenerationDefaults:
     """A target directory's generation_config.json defaults (empty when there is none)."""
     defaults = GenerationDefaults.load(Path(target_dir))
@@ -83,24 +77,26 @@ def load_models(target: str | Path | None = None, draft: str | Path | None = Non
     tokenizer.check_fits(target_model.config.vocab_size)
     draft_model = None
     if method != "ar":
-        kind = draft_kind(method)
-        if kind is None:
+        if method not in DRAFT_METHODS:
             raise BlockspecError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
-        draft_model = load_drafts(target_model, {kind: draft}, [method], allow_nonfinite=allow_nonfinite)[kind]
+        draft_model = load_drafts(target_model, {method: draft}, [method], allow_nonfinite=allow_nonfinite)[method]
         if block_size:
             draft_model = draft_model.with_block_size(block_size)
     return LoadedModels(target_model, tokenizer, draft_model, method, load_generation_defaults(target_dir))
 
 
-def load_drafts(target_model: TargetModel, drafts: Mapping[str, str | Path | None], methods: Iterable[str],
+def load_drafts(target_model: TargetModel, drafts: Mapping[str, str | Path | None], kinds: Iterable[str],
                 dtype: str | torch.dtype | None = None, device: str | torch.device | None = None, *,
                 allow_nonfinite: bool = False) -> dict[str, DraftModel]:
-    """{draft kind: draft} for the drafts `methods` need (see `draft_kind`), checked against the target.
+    """{draft kind: draft} for these draft kinds ("dflash" / "dspark"), checked against the target.
 
-    `drafts` maps a kind ("dflash" / "dspark") to its directory; a missing or None entry
-    loads the embedded draft of that kind. dtype / device None: the target's.
+    `drafts` maps a kind to its directory; a missing or None entry loads the embedded
+    draft of that kind. dtype / device None: the target's.
     """
-    needed = sorted({kind for kind in map(draft_kind, methods) if kind is not None})
+    needed = sorted(set(kinds))
+    unknown = [k for k in needed if k not in DRAFT_METHODS]
+    if unknown:
+        raise BlockspecError(f"unknown draft kind(s) {unknown} (choose from {', '.join(DRAFT_METHODS)})")
     loaded = {}
     for kind in needed:
         directory = drafts.get(kind)

@@ -56,15 +56,13 @@ def test_per_slot_unreached_slot_is_nan():
     assert s.to_dict()["per_slot"] == [0.0, None]
 
 
-def test_acceptance_rate_at_unconditional():
+def test_counts_give_the_unconditional_acceptance_rates():
     s = _stats(MIXED)
-    assert s.acceptance_rate_at(0) == 1.0
-    assert s.acceptance_rate_at(1) == pytest.approx(4 / 6)
-    assert s.acceptance_rate_at(2) == pytest.approx(2 / 6)
-    assert s.acceptance_rate_at(3) == pytest.approx(1 / 6)
-    assert s.acceptance_rate_at(4) == 0.0
-    with pytest.raises(ValueError):
-        s.acceptance_rate_at(-1)
+
+    def rate_at(k: int) -> float:   # #(accepted >= k) / rounds
+        return sum(c for (_, a), c in s.counts.items() if a >= k) / s.rounds
+    assert s.rounds == 6 and rate_at(0) == 1.0
+    assert [rate_at(k) for k in (1, 2, 3, 4)] == pytest.approx([4 / 6, 2 / 6, 1 / 6, 0.0])
 
 
 @pytest.mark.parametrize("accepted,num_drafts", [(-1, 3), (4, 3), (0, -1), (1.5, 3)])

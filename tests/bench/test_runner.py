@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.bench.arms import ForcedAcceptance, accept_pattern
+from blockspec.bench.arms import ForcedAcceptance, accept_pattern, draft_kind
 from blockspec.bench.cli import add_bench_parser
 from blockspec.bench.datasets import BenchPrompt
 from blockspec.bench.measure import ArmTotals, collect_calibration, throughput_vs_concurrency
@@ -226,6 +226,11 @@ def test_round_recorder_sees_every_round_of_generate(kind, temperature):
     assert [r.verified for r in recorder.records] == loop.stats.verified
     assert sum(bool(r.confidences) for r in recorder.records) == (loop.stats.rounds if kind == "dspark" else 0)
     assert out.timing.rounds == loop.stats.rounds
+
+
+def test_draft_kind():
+    assert [draft_kind(m) for m in ("ar", "hf", "dflash", "dspark", "dspark-scheduled")] == \
+        [None, None, "dflash", "dspark", "dspark"]
 
 
 def test_forced_acceptance_follows_the_pattern():

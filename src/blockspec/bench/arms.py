@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from blockspec.config import METHODS as GENERATE_METHODS, SamplingParams
+from blockspec.config import DRAFT_METHODS, METHODS as GENERATE_METHODS, SamplingParams
 from blockspec.decoding.cost_table import CostTable, ProfileOptions, profile_cost_table
 from blockspec.decoding.generate import GenerateOptions, Timing, generate
 from blockspec.decoding.output import RequestStats
@@ -30,7 +30,6 @@ from blockspec.decoding.round import Forwards, WrappedForwards
 from blockspec.decoding.sampling import RowSampler, Verdict, sample
 from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.errors import BlockspecError
-from blockspec.loading import draft_kind
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
@@ -38,6 +37,12 @@ __all__ = ["METHODS", "RunRecord", "Runner", "Arm", "BenchSetup", "ForcedAccepta
 
 
 METHODS = (*GENERATE_METHODS, "hf", "dspark-scheduled")   # generate's methods plus the bench's own arms
+
+
+def draft_kind(method: str) -> str | None:
+    """The draft a bench method runs: "dflash" / "dspark" (variants such as "dspark-scheduled" included), else None."""
+    kind = method.split("-", 1)[0]
+    return kind if kind in DRAFT_METHODS else None
 
 
 @dataclass

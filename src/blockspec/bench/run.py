@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from blockspec.bench.arms import METHODS, Arm, BenchSetup, build_arms
+from blockspec.bench.arms import METHODS, Arm, BenchSetup, build_arms, draft_kind
 from blockspec.bench.datasets import BenchPrompt, load_dataset
 from blockspec.bench.measure import (ArmTotals, calibrates, collect_calibration, measure, throughput_vs_concurrency,
                                      warm_up)
@@ -28,7 +28,7 @@ from blockspec.bench.report import group_plots, slug, summarize, write_outputs
 from blockspec.config import DRAFT_METHODS, RULES
 from blockspec.decoding.cost_table import ProfileOptions, profile_cost_table
 from blockspec.errors import BlockspecError
-from blockspec.loading import draft_kind, load_drafts
+from blockspec.loading import load_drafts
 from blockspec.models.checkpoint import load_target, resolve_device
 from blockspec.models.target import TargetModel
 from blockspec.models.tokenizer import Tokenizer
@@ -294,7 +294,7 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
     method_list = _resolve_methods(o.methods, drafts, notes)
     dev = resolve_device(o.device)
     target = load_target(Path(target_dir), dtype=o.dtype, device=dev)
-    loaded = load_drafts(target, drafts, method_list, o.dtype, dev)
+    loaded = load_drafts(target, drafts, [k for k in map(draft_kind, method_list) if k is not None], o.dtype, dev)
     tokenizer = Tokenizer(Path(target_dir))
     tokenizer.check_fits(target.config.vocab_size)
     sets = _encode_sets(datasets, tokenizer, limit, target, max_new_tokens, notes, every)

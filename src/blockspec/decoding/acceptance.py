@@ -157,15 +157,6 @@ class AcceptanceStats:
             out.append(num / den if den else float("nan"))
         return out
 
-    def acceptance_rate_at(self, k: int) -> float:
-        """Unconditional ``#(accepted >= k) / rounds`` (``nan`` when empty)."""
-        if k < 0:
-            raise ValueError(f"k must be >= 0, got {k}")
-        r = self.rounds
-        if not r:
-            return float("nan")
-        return sum(c for (_, a), c in self.counts.items() if a >= k) / r
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly summary; ``nan`` values are emitted as ``None``."""
         return {

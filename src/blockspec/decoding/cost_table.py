@@ -192,10 +192,6 @@ class CostTable:
         at = min(max(float(slots), float(counts[0])), float(counts[-1]))
         return _interpolate_one(counts, times, at)
 
-    def sps(self, n: torch.Tensor | int) -> torch.Tensor:
-        """Verify steps per second, 1 / T(n)."""
-        return 1.0 / self.time(n)
-
     def check_target(self, target: TargetModel) -> None:
         """Refuse a table measured for another model shape or dtype (empty fields are not checked)."""
         if self.model and self.model != model_signature(target):

@@ -178,13 +178,6 @@ class DraftGate:
         self._options[groups] = out
         return out
 
-    def expected_rates(self, rows: int, band: int = 0) -> tuple[float, float, int]:
-        """(best drafting, AR) expected tokens per second for `rows` rows of one band, and
-        the block length of the drafting rate."""
-        options = self.options(((band, rows),))
-        best = max(options[1:], key=lambda o: self.rate(o, rows))
-        return self.rate(best, rows), self.rate(options[0], rows), best.block
-
     # -- deciding -------------------------------------------------------------------
     def decide(self, bands: int | Sequence[int]) -> tuple[int, int]:
         """(first k rows that draft, block length in drafts) for rows of these temperature

@@ -54,6 +54,10 @@ class EngineOptions:
     gpu_memory_utilization: float | None = None
     prefill_chunk_tokens: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise BlockspecError(f"unknown verification rule {self.rule!r} (choose rejection or match)")
+
 
 @dataclass
 class Request:
@@ -110,8 +114,6 @@ class Engine:
         check_method(method, draft)
         options = options or EngineOptions()
         chunk = chunk_size(options.prefill_chunk_tokens, target.device)
-        if options.rule not in RULES:
-            raise BlockspecError(f"unknown verification rule {options.rule!r} (choose rejection or match)")
         self.target, self.method, self.rule, self.tokenizer = target, method, options.rule, tokenizer
         self.draft = draft if method != "ar" else None
         if self.draft is not None:
