@@ -57,8 +57,8 @@ class OracleForwards(WrappedForwards):
         super().__init__(inner)
         self.reference, self.corrupt_every, self.calls = reference, corrupt_every, 0
 
-    def propose(self, draft, target, draft_cache, anchors, sampler, num_drafts=None, *rest):
-        proposal = self.inner.propose(draft, target, draft_cache, anchors, sampler, num_drafts, *rest)
+    def propose(self, draft, target, draft_cache, anchors, sampler, block=None, *rest):
+        proposal = self.inner.propose(draft, target, draft_cache, anchors, sampler, block, *rest)
         tokens = proposal.tokens.clone()
         g = tokens.shape[1]
         for r in range(tokens.shape[0]):

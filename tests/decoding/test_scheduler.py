@@ -137,16 +137,16 @@ def test_draft_time_by_block_length(tmp_path):
                       draft_slot_times={4: [2.0, 12.0], 1: [1.0, 3.0]}, draft_window=9)
     assert table.draft_slot_counts == [1, 4, 9]
     assert float(table.draft_time(1)) == pytest.approx(5.0)               # no slots given: the full round
-    assert float(table.draft_time(1, slots=1)) == pytest.approx(1.0)
-    assert float(table.draft_time(1, slots=4)) == pytest.approx(2.0)
-    assert float(table.draft_time(1, slots=6)) == pytest.approx(2.0 + 3.0 * 2 / 5)
-    assert float(table.draft_time(4, slots=4)) == pytest.approx(9.0)      # capped at the full block
-    assert float(table.draft_time(4, slots=40)) == pytest.approx(9.0)     # clamped to the window
-    assert float(table.draft_time(2, slots=1)) == pytest.approx(1.0 + 2.0 / 3)
+    assert float(table.draft_time(1, block=1)) == pytest.approx(1.0)
+    assert float(table.draft_time(1, block=4)) == pytest.approx(2.0)
+    assert float(table.draft_time(1, block=6)) == pytest.approx(2.0 + 3.0 * 2 / 5)
+    assert float(table.draft_time(4, block=4)) == pytest.approx(9.0)      # capped at the full block
+    assert float(table.draft_time(4, block=40)) == pytest.approx(9.0)     # clamped to the window
+    assert float(table.draft_time(2, block=1)) == pytest.approx(1.0 + 2.0 / 3)
     table.save(tmp_path / "t.json")
     assert CostTable.load(tmp_path / "t.json") == table
     plain = CostTable([1, 8], [1.0, 2.0], draft_rows=[1, 4], draft_times_s=[5.0, 9.0])
-    assert float(plain.draft_time(1, slots=1)) == pytest.approx(5.0)       # no block times: the full round
+    assert float(plain.draft_time(1, block=1)) == pytest.approx(5.0)       # no block times: the full round
     assert plain.draft_slot_counts == []
     raw = plain.to_dict() | {"draft_time_1slot_s": [1.0, 3.0], "draft_window": 9}   # an earlier release's file
     assert CostTable.from_dict(raw).draft_slot_times == {1: [1.0, 3.0]}
@@ -418,7 +418,7 @@ def test_confidence_calibration_learns_from_rows_at_risk():
 
 @pytest.mark.parametrize("layout", ["zlab", "deepspec"])
 def test_propose_a_shorter_block_equals_a_draft_run_at_that_block_size(layout):
-    """propose(num_drafts=g) drafts the block a draft set to g drafts would: the anchor and
+    """propose(block=g) drafts the block a draft set to g drafts would: the anchor and
     the mask slots of g drafts only (a cheaper forward), not a cut of the full block."""
     from blockspec.config import SamplingParams
     from blockspec.decoding.sampling import RowSampler
@@ -437,14 +437,14 @@ def test_propose_a_shorter_block_equals_a_draft_run_at_that_block_size(layout):
         cache = d.new_cache(2, 32)
         d.append_context(cache, feats, 7)
         with torch.inference_mode():
-            outs.append(propose(d, target, cache, anchors, sampler, num_drafts=2 if d is draft else None))
+            outs.append(propose(d, target, cache, anchors, sampler, block=2 if d is draft else None))
     assert outs[0].tokens.shape == (2, 2) and torch.equal(outs[0].tokens, outs[1].tokens)
     if layout == "deepspec":
         assert torch.allclose(outs[0].confidence, outs[1].confidence)
     full = propose(draft, target, draft.new_cache(2, 32), anchors, sampler)
     assert full.tokens.shape == (2, draft.config.num_drafts)
     with pytest.raises(ValueError, match="num_drafts"):
-        propose(draft, target, draft.new_cache(2, 32), anchors, sampler, num_drafts=draft.config.num_drafts + 1)
+        propose(draft, target, draft.new_cache(2, 32), anchors, sampler, block=draft.config.num_drafts + 1)
 
 
 @pytest.mark.parametrize("seed", range(6))

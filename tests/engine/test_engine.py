@@ -157,10 +157,10 @@ class OracleForwards(WrappedForwards):
         self.full_sequences, self.corrupt_every = full_sequences, corrupt_every
         self.calls = itertools.count(1)
 
-    def propose(self, draft, target, draft_cache, anchors, sampler, num_drafts=None, stop_below=0.0,
+    def propose(self, draft, target, draft_cache, anchors, sampler, block=None, stop_below=0.0,
                 confidence_map=None):
         # Full window always: the oracle reports its own confidences (the plan applies the floor).
-        proposal = self.inner.propose(draft, target, draft_cache, anchors, sampler, num_drafts)
+        proposal = self.inner.propose(draft, target, draft_cache, anchors, sampler, block)
         tokens = proposal.tokens.clone()
         r, g = tokens.shape
         for row in range(r):

@@ -178,18 +178,18 @@ class CostTable:
             return []
         return [*self.draft_slot_times, self.draft_window] if self.draft_slot_times else []
 
-    def draft_time(self, rows: int, slots: float | None = None) -> float:
+    def draft_time(self, rows: int, block: float | None = None) -> float:
         """Interpolated draft round time in seconds for `rows` requests (needs draft times);
-        with `slots` and times by slots, for a round that drafts a block of that many slots."""
+        with `block` and times by block length, for a round that drafts a block of that many drafts."""
         if not self.draft_rows:
             raise BlockspecError("this cost table has no draft times (profile it with a draft)")
         full = _interpolate_one(self.draft_rows, self.draft_times_s, float(rows))
-        if slots is None or not self.draft_slot_times:
+        if block is None or not self.draft_slot_times:
             return full
         counts = self.draft_slot_counts
         times = [_interpolate_one(self.draft_rows, self.draft_slot_times[s], float(rows)) for s in counts[:-1]]
         times = [min(t, full) for t in times] + [full]   # never dearer than the full block
-        at = min(max(float(slots), float(counts[0])), float(counts[-1]))
+        at = min(max(float(block), float(counts[0])), float(counts[-1]))
         return _interpolate_one(counts, times, at)
 
     def check_target(self, target: TargetModel) -> None:
@@ -322,7 +322,7 @@ def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptio
         window = draft.config.num_drafts
         for s in sorted(set(int(s) for s in (draft_slots or DRAFT_SLOT_COUNTS) if 1 <= int(s) < window)):
             measured = profile_draft(target, draft, d_rows, repeats=repeats, context=context, warmup=warmup,
-                                     seed=seed, slots=s)
+                                     seed=seed, block=s)
             by_slots[s] = [min(a, b) for a, b in zip(measured, d_times)]   # never dearer than the full block
     return CostTable(ns, times, model=model_signature(target), dtype=dtype_name(target.dtype),
                      machine=machine_signature(device),
@@ -333,8 +333,8 @@ def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptio
 
 @torch.inference_mode()
 def profile_draft(target: TargetModel, draft: DraftModel, rows_list: list[int], repeats: int = 5, *,
-                  context: int = 128, warmup: int = 2, seed: int = 0, slots: int | None = None) -> list[float]:
-    """Time of one draft round (`round.propose`, greedy, a block of `slots` drafts;
+                  context: int = 128, warmup: int = 2, seed: int = 0, block: int | None = None) -> list[float]:
+    """Time of one draft round (`round.propose`, greedy, a block of `block` drafts;
     default the full block) for each number of rows: the fastest of `repeats`, never falling as rows grow."""
     device = target.device
     gen = torch.Generator().manual_seed(seed)
@@ -352,7 +352,7 @@ def profile_draft(target: TargetModel, draft: DraftModel, rows_list: list[int], 
         for i in range(warmup + repeats):
             _sync(device)
             t0 = time.perf_counter()
-            propose(draft, target, cache, anchors, sampler, num_drafts=slots)
+            propose(draft, target, cache, anchors, sampler, block)
             _sync(device)
             if i >= warmup:
                 samples.append(time.perf_counter() - t0)

@@ -166,7 +166,7 @@ class DraftGate:
             drafting += n
             curves.append((self.curve(band), n))
             for block in self.block_choices:
-                t_draft = self.table.draft_time(drafting, slots=block)
+                t_draft = self.table.draft_time(drafting, block=block)
                 if self.full_window:
                     tokens = rows + sum(n_ * sum(c[:block]) for c, n_ in curves)
                     verified = drafting * block
@@ -228,17 +228,17 @@ class DraftGate:
         return best
 
     # -- learning -------------------------------------------------------------------
-    def observe(self, rows: int, drafting_rows: int, slots: int, verified_drafts: int, seconds: float) -> None:
+    def observe(self, rows: int, drafting_rows: int, block: int, verified_drafts: int, seconds: float) -> None:
         """A finished round's wall time: `rows` running requests, of which the first
-        `drafting_rows` drafted a block of `slots` slots, verifying `verified_drafts` drafts in all."""
+        `drafting_rows` drafted a block of `block` drafts, verifying `verified_drafts` drafts in all."""
         predicted = self.table.time(rows + verified_drafts)
-        ratio_sample = seconds / max(predicted + (self.table.draft_time(drafting_rows, slots=slots)
+        ratio_sample = seconds / max(predicted + (self.table.draft_time(drafting_rows, block=block)
                                                   if drafting_rows else 0.0), 1e-9)
         if drafting_rows:
             # By drafting rows (exploration rounds of a few rows do not stand in for rounds
             # where everyone drafts), and by block length too: their overheads differ.
             self._learn((True, drafting_rows), ratio_sample)
-            self._learn((True, drafting_rows, slots), ratio_sample)
+            self._learn((True, drafting_rows, block), ratio_sample)
         else:
             self._learn((False, rows), ratio_sample)
 

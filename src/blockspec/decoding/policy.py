@@ -239,7 +239,7 @@ class RoundPolicy:
         if table is None or proposal.confidence is None:
             lens[:k] = g
             return lens
-        draft_s = table.draft_time(k, slots=block) if table.has_draft_times else 0.0
+        draft_s = table.draft_time(k, block=block) if table.has_draft_times else 0.0
         survival = torch.cumprod(proposal.confidence, dim=1)
         lens[:k] = plan(survival, table, draft_s, self.min_survival, base_rows=rows).to(lens.device)
         return lens

@@ -233,26 +233,26 @@ class Forwards:
         cache.truncate(start + accepted + 1)
 
     def propose(self, draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
-                    sampler: RowSampler, num_drafts: int | None = None, stop_below: float = 0.0,
+                    sampler: RowSampler, block: int | None = None, stop_below: float = 0.0,
                     confidence_map: ConfidenceMap | None = None) -> Proposal:
         """One draft forward for the whole block, then sampling of g drafts.
 
-        num_drafts: draft a shorter block than trained (g < the draft's window; the
-        block holds the anchor and g - 1 or g mask slots by layout), which costs less
-        per row. confidence_map: what the policy plans with, from the head's raw
-        confidences (online recalibration); the proposal carries both. stop_below
-        (DSpark with a confidence head): stop drafting at the first slot where every
-        row's prefix survival, as the policy computes it, is below it (the policy
-        never admits such slots, so they need no logits); the proposal is then
-        shorter than g."""
+        block: the round's block length in drafts g, shorter than trained (g < the draft's
+        num_drafts; the block holds the anchor and g - 1 or g mask slots by layout) costs
+        less per row (default: the draft's num_drafts). confidence_map: what the policy
+        plans with, from the head's raw confidences (online recalibration); the proposal
+        carries both. stop_below (DSpark with a confidence head): stop drafting at the
+        first slot where every row's prefix survival, as the policy computes it, is below
+        it (the policy never admits such slots, so they need no logits); the proposal is
+        then shorter than g."""
         cfg = draft.config
-        g = cfg.num_drafts if num_drafts is None else num_drafts
+        g = cfg.num_drafts if block is None else block
         if not 1 <= g <= cfg.num_drafts:
-            raise ValueError(f"num_drafts must be in 1..{cfg.num_drafts}, got {g}")
-        block = torch.full((anchors.shape[0], cfg.first_draft_slot + g), cfg.mask_token_id, dtype=torch.long,
+            raise ValueError(f"a block of g drafts needs g in 1..{cfg.num_drafts} (the draft's num_drafts), got {g}")
+        block_ids = torch.full((anchors.shape[0], cfg.first_draft_slot + g), cfg.mask_token_id, dtype=torch.long,
                            device=anchors.device)
-        block[:, 0] = anchors
-        hidden = self.draft_block(draft, block, draft_cache, target.embed_tokens)
+        block_ids[:, 0] = anchors
+        hidden = self.draft_block(draft, block_ids, draft_cache, target.embed_tokens)
         slots = hidden[:, cfg.first_draft_slot:cfg.first_draft_slot + g]
         if draft.markov_head is None:
             base = target.lm_head(slots.to(target.dtype)).float()
@@ -338,10 +338,10 @@ DENSE = Forwards()
 
 
 def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
-            sampler: RowSampler, num_drafts: int | None = None, *, stop_below: float = 0.0,
+            sampler: RowSampler, block: int | None = None, *, stop_below: float = 0.0,
             confidence_map: ConfidenceMap | None = None) -> Proposal:
     """`Forwards.propose` with dense eager forwards (profiling, tests)."""
-    return DENSE.propose(draft, target, draft_cache, anchors, sampler, num_drafts, stop_below, confidence_map)
+    return DENSE.propose(draft, target, draft_cache, anchors, sampler, block, stop_below, confidence_map)
 
 
 def verify_and_commit(target: TargetModel, cache: KVCache, anchors: torch.Tensor, proposal: Proposal | None,
