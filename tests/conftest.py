@@ -44,6 +44,26 @@ def _larger_weights(model: torch.nn.Module) -> None:
                 p.normal_(0, 0.3)
 
 
+def oracle_tokens(tokens: torch.Tensor, draft_cache, anchors: torch.Tensor, reference: list[list[int]], calls,
+                  corrupt_every: int, vocab: int) -> torch.Tensor:
+    """Test oracles' drafts: each row's reference continuation (found by its position and
+    anchor), one slot corrupted on every `corrupt_every`-th row proposal (calls: a counter
+    from 1, `itertools.count(1)`), so long accepted runs, partial runs and rejections occur."""
+    tokens = tokens.clone()
+    r, g = tokens.shape
+    for row in range(r):
+        p, anchor = int(draft_cache.lengths[row]), int(anchors[row])
+        for seq in reference:
+            if p < len(seq) and seq[p] == anchor:
+                cont = seq[p + 1:p + 1 + g]
+                tokens[row, :len(cont)] = torch.tensor(cont)
+                break
+        n = next(calls)
+        if n % corrupt_every == 0:
+            tokens[row, n % g] = (tokens[row, n % g] + 1) % vocab
+    return tokens
+
+
 def make_target(seed: int = 0, dtype: torch.dtype = torch.float32, **kw) -> TargetModel:
     torch.manual_seed(seed)
     model = TargetModel(tiny_target_config(**kw))

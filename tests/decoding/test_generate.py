@@ -4,6 +4,7 @@ size and batch mix; and the KV cache's rollback."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from blockspec.decoding.sampling import RowSampler
 from blockspec.decoding.round import Forwards, Proposal, WrappedForwards, padding_groups, prefill
 from blockspec.errors import BlockspecError
 from blockspec import GenerateOptions, PolicyOptions
-from conftest import make_draft, make_target
+from conftest import make_draft, make_target, oracle_tokens
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 DRAFTS = [
@@ -55,23 +56,12 @@ class OracleForwards(WrappedForwards):
 
     def __init__(self, inner: Forwards, reference: list[list[int]], corrupt_every: int) -> None:
         super().__init__(inner)
-        self.reference, self.corrupt_every, self.calls = reference, corrupt_every, 0
+        self.reference, self.corrupt_every, self.calls = reference, corrupt_every, itertools.count(1)
 
     def propose(self, draft, target, draft_cache, anchors, sampler, block=None, *rest):
         proposal = self.inner.propose(draft, target, draft_cache, anchors, sampler, block, *rest)
-        tokens = proposal.tokens.clone()
-        g = tokens.shape[1]
-        for r in range(tokens.shape[0]):
-            p, anchor = int(draft_cache.lengths[r]), int(anchors[r])
-            for seq in self.reference:
-                if p < len(seq) and seq[p] == anchor:
-                    cont = seq[p + 1:p + 1 + g]
-                    tokens[r, :len(cont)] = torch.tensor(cont)
-                    break
-            self.calls += 1
-            if self.calls % self.corrupt_every == 0:
-                k = self.calls % g
-                tokens[r, k] = (tokens[r, k] + 1) % target.config.vocab_size
+        tokens = oracle_tokens(proposal.tokens, draft_cache, anchors, self.reference, self.calls, self.corrupt_every,
+                               target.config.vocab_size)
         probs = torch.nn.functional.one_hot(tokens, target.config.vocab_size).double()
         return Proposal(tokens, probs, proposal.confidence)
 

@@ -23,7 +23,7 @@ from blockspec.decoding.round import Forwards, Proposal, WrappedForwards, prefil
 from blockspec.errors import BlockspecError
 from blockspec import EngineOptions, PolicyOptions
 from lossless_stats import chi_square_p, exact_first_three
-from conftest import make_draft, make_target
+from conftest import make_draft, make_target, oracle_tokens
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [4, 4, 4, 4],
            [20, 21, 22], [30, 31, 32, 33, 34, 35], [40, 2]]
@@ -161,18 +161,9 @@ class OracleForwards(WrappedForwards):
                 confidence_map=None):
         # Full window always: the oracle reports its own confidences (the plan applies the floor).
         proposal = self.inner.propose(draft, target, draft_cache, anchors, sampler, block)
-        tokens = proposal.tokens.clone()
-        r, g = tokens.shape
-        for row in range(r):
-            p, anchor = int(draft_cache.lengths[row]), int(anchors[row])
-            for seq in self.full_sequences:
-                if p < len(seq) and seq[p] == anchor:
-                    cont = seq[p + 1:p + 1 + g]
-                    tokens[row, :len(cont)] = torch.tensor(cont)
-                    break
-            n = next(self.calls)
-            if n % self.corrupt_every == 0:
-                tokens[row, n % g] = (tokens[row, n % g] + 1) % target.config.vocab_size
+        tokens = oracle_tokens(proposal.tokens, draft_cache, anchors, self.full_sequences, self.calls,
+                               self.corrupt_every, target.config.vocab_size)
+        g = tokens.shape[1]
         pos = draft_cache.lengths.double().unsqueeze(1) + torch.arange(g, dtype=torch.float64)
         confidence = 0.35 + 0.64 * torch.sin(pos * 12.9898 + 78.233).abs()
         probs = torch.nn.functional.one_hot(tokens, target.config.vocab_size).double()

@@ -98,7 +98,7 @@ def test_chunked_projection_equals_one_projection(layout, markov, confidence, ch
 
 @pytest.mark.parametrize("layout, markov, confidence", CASES)
 def test_sums_equal_the_reference_losses(layout, markov, confidence):
-    """The chunked sums / weight sum = losses.dflash_loss / dspark_loss over full [.., V] tensors."""
+    """The chunked sums / weight sum = the reference dflash_loss / dspark_loss over full [.., V] tensors."""
     sums, _, (target, draft, x) = objective_sums(layout, markov, confidence, ce_chunk=3)
     cfg = draft.config
     with torch.no_grad():
