@@ -124,7 +124,7 @@ class PrefixPolicy:
     def confidence_map(self):
         return None
 
-    def plan(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
+    def verify_lengths(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
         if proposal is None:
             return None
         k, g = proposal.tokens.shape

@@ -46,7 +46,7 @@ def test_command_lines_build_the_same_engine(dirs, line, caplog):
         engine, _, name = build_engine(serve_args(*line(*dirs)))
     assert (engine.method, engine.draft.config.num_drafts, engine.draft.config.block_size) == ("dflash", 2, 3)
     assert (engine.rows, engine.max_model_len, name) == (4, 64, dirs[0])
-    assert engine.plan.source.startswith("0.5 x ")
+    assert engine.memory_plan.source.startswith("0.5 x ")
     if line is vllm_line:
         assert "attention_backend, disable_padded_drafter_batch only tune vLLM's engine; ignored" in caplog.text
 

@@ -227,7 +227,7 @@ class RoundPolicy:
         scale = torch.stack([self._calibration(b).scale[first_slot:first_slot + s] for b in bands])
         return (confidence.double() * scale.to(confidence.device)).clamp(max=1.0)
 
-    def plan(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
+    def verify_lengths(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
         """Drafts each of the `rows` running requests verifies (zero for those that did
         not draft; None in an AR round); `block`: the drafted block's length (its draft
         time is spent)."""

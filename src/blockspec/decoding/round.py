@@ -2,7 +2,7 @@
 
 `prefill` starts rows and samples their first anchor. A round is
 `propose` (one draft forward for the block; DSpark's Markov head then samples
-slot by slot) -> the policy's plan (how many drafts each row verifies) ->
+slot by slot) -> the policy's verify lengths (how many drafts each row verifies) ->
 `verify_and_commit` (one target forward over [anchor, drafts], the acceptance
 rule, the caches rolled back to the accepted prefix) -> the accepted rows'
 target features handed to the draft context. `speculative_round` runs those
@@ -365,13 +365,13 @@ class Policy(Protocol):
         """Early-stop floor for drafting `rows` rows (0: draft every slot)."""
 
     def confidence_map(self) -> ConfidenceMap | None:
-        """Raw confidences -> the ones `plan` uses (None: as the head says)."""
+        """Raw confidences -> the ones `verify_lengths` uses (None: as the head says)."""
 
-    def plan(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
+    def verify_lengths(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
         """Drafts each of `rows` rows verifies [rows] (None: every row its whole proposal)."""
 
     def observe(self, outcome: "RoundOutcome", proposal: Proposal | None, lens: torch.Tensor | None) -> None:
-        """The finished round (lens: what `plan` returned)."""
+        """The finished round (lens: what `verify_lengths` returned)."""
 
     def observe_time(self, rows: int, outcome: "RoundOutcome", seconds: float) -> None:
         """The finished round's wall time, the caller's bookkeeping included."""
@@ -433,7 +433,7 @@ def speculative_round(batch: RoundInputs, policy: Policy, *, rule: str = "reject
         proposal = forwards.propose(draft, target, cache, anchors[:k], sub, block, policy.stop_below(k),
                                     policy.confidence_map())
     t_drafted = time.perf_counter()
-    lens = policy.plan(proposal, r, block)
+    lens = policy.verify_lengths(proposal, r, block)
     if proposal is not None and k < r:
         proposal = pad_rows(proposal, r, None if sampler.all_greedy else target.config.vocab_size)
     t_planned = time.perf_counter()

@@ -122,10 +122,10 @@ class Engine:
         self.forwards: Forwards = PackedForwards()
         # Slots x length from the memory free now (the weights are loaded): never
         # max_running x max_position_embeddings blindly.
-        self.plan = plan_for_models(target, self.draft, max_running, max_model_len, options.kv_memory_gb,
+        self.memory_plan = plan_for_models(target, self.draft, max_running, max_model_len, options.kv_memory_gb,
                                     options.gpu_memory_utilization)
-        self.max_model_len = self.plan.max_model_len
-        self.slots = SlotPool(target, self.draft, self.plan)
+        self.max_model_len = self.memory_plan.max_model_len
+        self.slots = SlotPool(target, self.draft, self.memory_plan)
         self.stats = EngineStats(speculative=self.draft is not None)
         self.chunks = ChunkedPrefill(target, self.draft, self.slots, self.stats, chunk)
         self._lock = threading.Lock()        # queue, cancellations, live requests

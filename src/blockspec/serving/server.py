@@ -181,7 +181,7 @@ def build_engine(args: argparse.Namespace):
                     options=EngineOptions(kv_memory_gb=args.kv_memory_gb,
                                           gpu_memory_utilization=args.gpu_memory_utilization,
                                           prefill_chunk_tokens=args.prefill_chunk_tokens))
-    log.info("%s", engine.plan.describe())
+    log.info("%s", engine.memory_plan.describe())
     return engine, tokenizer, args.served_model_name or args.target or "blockspec"
 
 
