@@ -11,15 +11,15 @@ import sys
 import pytest
 import torch
 
+from blockspec import EngineOptions
 from blockspec.config import SamplingParams
-from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
-from blockspec.engine.prefill_chunks import DEFAULT_CHUNK, chunk_size
 from blockspec.decoding.round import prefill
 from blockspec.decoding.sampling import RowSampler
+from blockspec.engine.engine import Engine
+from blockspec.engine.prefill_chunks import DEFAULT_CHUNK, chunk_size
 from blockspec.errors import BlockspecError
 from blockspec.serving.server import add_serve_arguments
-from blockspec import EngineOptions
 from conftest import make_draft, make_target
 
 LONG = [(7 * i + 3) % 60 + 1 for i in range(45)]     # 6 chunks of 8 (the last one 5 tokens)

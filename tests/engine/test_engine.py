@@ -14,14 +14,14 @@ import random
 import pytest
 import torch
 
-from blockspec.config import SamplingParams
-from blockspec.engine.engine import Engine
-from blockspec.decoding.generate import generate
-from blockspec.decoding.sampling import RowSampler, Verdict, warp
-from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.round import Forwards, Proposal, WrappedForwards, prefill
-from blockspec.errors import BlockspecError
 from blockspec import EngineOptions, PolicyOptions
+from blockspec.config import SamplingParams
+from blockspec.decoding.cost_table import CostTable
+from blockspec.decoding.generate import generate
+from blockspec.decoding.round import Forwards, Proposal, WrappedForwards, prefill
+from blockspec.decoding.sampling import RowSampler, Verdict, warp
+from blockspec.engine.engine import Engine
+from blockspec.errors import BlockspecError
 from lossless_stats import chi_square_p, exact_first_three
 from conftest import make_draft, make_target, oracle_tokens
 

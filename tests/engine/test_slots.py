@@ -6,11 +6,11 @@ import random
 
 import torch
 
-from blockspec.config import SamplingParams
-from blockspec.engine.engine import Engine
-from blockspec.decoding.generate import generate
-from blockspec.engine.slots import band_swaps
 from blockspec import PolicyOptions
+from blockspec.config import SamplingParams
+from blockspec.decoding.generate import generate
+from blockspec.engine.engine import Engine
+from blockspec.engine.slots import band_swaps
 from conftest import make_draft, make_target
 
 

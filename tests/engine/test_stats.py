@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from blockspec.engine.handles import RequestTimes
 from blockspec.decoding.round import RoundOutcome
+from blockspec.engine.handles import RequestTimes
 from blockspec.engine.stats import TTFT_BUCKETS, EngineStats, Histogram
 
 

@@ -24,13 +24,13 @@ import torch
 
 from blockspec.config import RULES, SamplingParams
 from blockspec.decoding.generate import check_method
-from blockspec.engine.handles import RequestHandle, RequestOutput
-from blockspec.engine.memory import plan_for_models
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
 from blockspec.decoding.policy import PolicyOptions, RoundPolicy
-from blockspec.engine.prefill_chunks import ChunkedPrefill, chunk_size
 from blockspec.decoding.round import Forwards, PackedForwards, RoundInputs, prefill, speculative_round
 from blockspec.decoding.sampling import RowSampler, new_generator
+from blockspec.engine.handles import RequestHandle, RequestOutput
+from blockspec.engine.memory import plan_for_models
+from blockspec.engine.prefill_chunks import ChunkedPrefill, chunk_size
 from blockspec.engine.slots import SlotPool
 from blockspec.engine.stats import EngineStats
 from blockspec.errors import BlockspecError
@@ -123,7 +123,7 @@ class Engine:
         # Slots x length from the memory free now (the weights are loaded): never
         # max_running x max_position_embeddings blindly.
         self.memory_plan = plan_for_models(target, self.draft, max_running, max_model_len, options.kv_memory_gb,
-                                    options.gpu_memory_utilization)
+                                           options.gpu_memory_utilization)
         self.max_model_len = self.memory_plan.max_model_len
         self.slots = SlotPool(target, self.draft, self.memory_plan)
         self.stats = EngineStats(speculative=self.draft is not None)

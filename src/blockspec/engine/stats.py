@@ -14,8 +14,8 @@ from collections import Counter
 from typing import Any
 
 from blockspec.decoding.acceptance import tau
-from blockspec.engine.handles import RequestTimes
 from blockspec.decoding.round import RoundOutcome
+from blockspec.engine.handles import RequestTimes
 
 REQUEST_OUTCOMES = ("submitted", "finished", "cancelled", "rejected", "failed")
 PHASES = ("prefill", "draft", "plan", "verify")
