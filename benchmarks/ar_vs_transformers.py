@@ -2,7 +2,7 @@
 checkpoint, same run, interleaved. Prints a Markdown table.
 
 Native arms: eager, and (unless --no-compile) the torch.compile'd decode step
-(`generate(..., compile=True)`); its one-off compile is done before timing and
+(`generate(..., options=GenerateOptions(compile=True))`); its one-off compile is done before timing and
 reported separately.
 
     python benchmarks/ar_vs_transformers.py [--target DIR] [--new-tokens 128] [--repeats 3] [--no-compile]

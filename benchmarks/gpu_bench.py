@@ -11,7 +11,7 @@ Sections, each printed as Markdown as soon as it is measured:
    draft context), medians of CUDA-event timings; caches filled to the context (kernel
    times do not depend on the values held). Projected speedup
    tau * T_ar / (T_draft + T_verify) at tau 6.49 (the DFlash paper's) and 3.
-2. AR decode tok/s at batch 1, contexts 512 and 4096: blockspec `generate(compile=True)`
+2. AR decode tok/s at batch 1, contexts 512 and 4096: blockspec `generate` with `GenerateOptions(compile=True)`
    (captured rounds: CUDA graphs) against `transformers` generate with its static cache,
    auto-compiled (sdpa), on the SAME weight tensors (the twin shares them).
    tok/s = (N - 1) / (t(N new tokens) - t(1 new token)): decode only, prefill cancelled.
@@ -259,9 +259,9 @@ def decode_rate(run: Callable[[int], list[int]], new_tokens: int, timer: Timer, 
 
 def ar_section(target: TargetModel, raw: dict, contexts: list[int], new_tokens: int, timer: Timer,
                smoke: bool, report: Report) -> None:
-    report.emit("", "**AR decode at batch 1** (greedy; blockspec `generate(compile=True)`: captured rounds; "
-                "transformers `generate`, static cache, auto-compiled, sdpa; same weight tensors; both attend "
-                "over the same static cache length)", "",
+    report.emit("", "**AR decode at batch 1** (greedy; blockspec `generate`, `GenerateOptions(compile=True)`: "
+                "captured rounds; transformers `generate`, static cache, auto-compiled, sdpa; same weight tensors; "
+                "both attend over the same static cache length)", "",
                 "| context | blockspec tok/s | transformers tok/s | blockspec / transformers | same tokens as "
                 "transformers for the first |", "|---|---|---|---|---|")
     try:

@@ -66,6 +66,6 @@ def test_cli_profile_with_the_embedded_draft(tmp_path):
     target = load_target(embedded.default_target())
     draft = load_draft(embedded.default_draft("dspark"), target=target)
     assert table.draft_window == draft.config.num_drafts
-    engine = Engine(target, draft, "dspark", max_running=2, max_model_len=64, policy=PolicyOptions(scheduled=True,
-                                                                                                   cost_table=table))
+    engine = Engine(target, draft, "dspark", max_running=2, max_model_len=64,
+                    policy=PolicyOptions(scheduled=True, cost_table=table))
     assert engine.metrics()["draft_gate"]

@@ -408,12 +408,12 @@ def test_draft_gate_needs_a_speculative_method_and_draft_times(target64):
     with pytest.raises(BlockspecError, match="draft_gate needs"):
         Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True, adapt=False))           # no table
     with pytest.raises(BlockspecError, match="draft_gate needs"):
-        Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True,
-                                                               cost_table=SCHED_TABLE))  # no draft times
+        # no draft times in the table
+        Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True, cost_table=SCHED_TABLE))
     with pytest.raises(BlockspecError, match="draft_gate needs"):
         Engine(target64, None, "ar", policy=PolicyOptions(draft_gate=True, cost_table=GATED_TABLE))
-    assert Engine(target64, draft, "dflash", policy=PolicyOptions(draft_gate=True,
-                                                                  cost_table=GATED_TABLE)).metrics()["draft_gate"]
+    gated = PolicyOptions(draft_gate=True, cost_table=GATED_TABLE)
+    assert Engine(target64, draft, "dflash", policy=gated).metrics()["draft_gate"]
     with pytest.raises(BlockspecError, match="cost table is used by"):   # never silently ignored
         PolicyOptions(cost_table=GATED_TABLE, adapt=False)
 
@@ -467,8 +467,8 @@ def test_kv_budget_sets_the_slot_count(target64):
     with pytest.raises(BlockspecError, match="holds no request slot"):
         build(target64, "dflash", kv_memory_gb=0.5 * per_slot / 2**30)
     with pytest.raises(BlockspecError, match="confidence head"):
-        Engine(target64, make_draft(target64, "zlab", 4), "dflash", policy=PolicyOptions(scheduled=True,
-                                                                                         cost_table=SCHED_TABLE))
+        Engine(target64, make_draft(target64, "zlab", 4), "dflash",
+               policy=PolicyOptions(scheduled=True, cost_table=SCHED_TABLE))
 
 
 def test_requests_beyond_slots_wait_then_run(target64, requests):

@@ -14,7 +14,7 @@ survival ``s_k = prod_{j<=k} c_j`` predicts the outcome ``accepted >= k`` (see
 ``tau = (accepted drafts + rounds) / rounds`` (:func:`tau`) is THE tau formula of the
 package (docs/design.md section 1); every other tau is computed with it.
 
-:class:`RoundRecorder` is the round observer (``generate(observer=...)``) that
+:class:`RoundRecorder` is the round observer (``generate(options=GenerateOptions(observer=...))``) that
 calibration (bench and STS training) reads its rounds from.
 
 Everything here is pure Python / numpy; torch is not needed.
@@ -274,7 +274,7 @@ class RoundRecord:
 
 
 class RoundRecorder:
-    """Round observer for ``generate(observer=...)``: one :class:`RoundRecord` per request per round."""
+    """Round observer for ``GenerateOptions(observer=...)``: one :class:`RoundRecord` per request per round."""
 
     def __init__(self) -> None:
         self.records: list[RoundRecord] = []

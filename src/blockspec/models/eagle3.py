@@ -24,7 +24,8 @@ from torch import nn
 from blockspec.config import Eagle3Config
 from blockspec.models.attention import ALL_KEYS, append_mask, limit_mask
 from blockspec.models.kv_cache import KVCache
-from blockspec.models.layers import Attention, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from blockspec.models.layers import (Attention, AttentionShape, CacheAccess, Linear, RMSNorm, RotaryEmbedding,
+                                     SwiGLU)
 
 # (logits over the full vocabulary [R, 1, V]) -> (tokens [R, 1], the distributions they were
 # drawn from [R, 1, V], or None for greedy): how `chain` picks each drafted token.
@@ -40,8 +41,8 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)      # normalises the embedding
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)          # normalises fc's output / the fed-back state
         # q/k/v read [embedding ; hidden] (2H); the attention output is H wide.
-        self.self_attn = Attention(2 * h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                   False, False, False, cfg.rms_norm_eps)
+        self.self_attn = Attention(AttentionShape(2 * h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                                  qk_norm=False, eps=cfg.rms_norm_eps))
         self.self_attn.o_proj = Linear(cfg.num_attention_heads * cfg.head_dim, h, bias=False)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size)
@@ -118,7 +119,7 @@ class Eagle3Draft(nn.Module):
         layer = self.midlayer
         x, residual = layer.inputs(self.embed(tokens, embed), hidden)
         cos, sin = self.rotary(slots, x.dtype)
-        return layer.finish(layer.self_attn(x, cos, sin, mask, cache, slots, upto), residual)
+        return layer.finish(layer.self_attn(x, cos, sin, mask, CacheAccess(cache, slots, upto)), residual)
 
     def append(self, cache: KVCache, features: torch.Tensor, tokens: torch.Tensor, num_new: torch.Tensor | int,
                embed: nn.Embedding) -> torch.Tensor:
