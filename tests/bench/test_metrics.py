@@ -1,4 +1,4 @@
-"""Tests for blockspec.decoding.acceptance, blockspec.bench.metrics and blockspec.bench.plots
+"""Tests for blockspec.metrics, blockspec.bench.metrics and blockspec.bench.plots
 (hand-computed answers)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import pytest
 
 from blockspec.bench.metrics import markdown_table, speedup_summary
-from blockspec.decoding.acceptance import AcceptanceStats, calibration, prefix_outcomes, survival
+from blockspec.metrics import AcceptanceStats, calibration, prefix_outcomes, survival
 
 # Rounds as (accepted, num_drafts); some rows verified fewer drafts than the maximum.
 MIXED = [(0, 3), (1, 3), (3, 3), (2, 2), (1, 1), (0, 2)]
@@ -234,7 +234,7 @@ def test_plots_write_png(tmp_path):
 
 
 def test_tau_formula():
-    from blockspec.decoding.acceptance import tau
+    from blockspec.metrics import tau
 
     assert tau(5, 2) == 3.5 and tau(0, 4) == 1.0
     assert math.isnan(tau(0, 0)) and tau(0, 0, empty=0.0) == 0.0

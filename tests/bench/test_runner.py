@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from blockspec import Engine, GenerateOptions, PolicyOptions
 from blockspec.bench.arms import ForcedAcceptance, accept_pattern, draft_kind
 from blockspec.bench.cli import add_bench_parser
 from blockspec.bench.datasets import BenchPrompt
@@ -21,12 +22,11 @@ from blockspec.bench.measure import ArmTotals, collect_calibration, throughput_v
 from blockspec.bench.report import render_markdown
 from blockspec.bench.run import BenchOptions, _code_quality, _datasets, run_bench
 from blockspec.config import SamplingParams
-from blockspec.decoding.acceptance import RoundRecorder
 from blockspec.decoding.cost_table import CostTable
+from blockspec.decoding.generate import RoundRecorder
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import save_draft
-from blockspec import Engine, GenerateOptions, PolicyOptions
 from conftest import make_draft, make_target, write_tiny_target_dir
 
 REPO = Path(__file__).resolve().parents[2]

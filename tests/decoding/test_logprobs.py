@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blockspec import EngineOptions, PolicyOptions
 from blockspec.config import SamplingParams
 from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
@@ -62,7 +63,7 @@ def test_engine_logprobs_equal_the_targets_own(target64, method, temperature, mo
     # Drafts of the target's own greedy continuation (some corrupted): long accepted runs.
     greedy = generate(target64, PROMPTS, SamplingParams(max_new_tokens=16, ignore_eos=True)).completions
     monkeypatch.setattr(round_module, "propose", oracle_propose([p + c.tokens for p, c in zip(PROMPTS, greedy)], 3))
-    engine = Engine(target64, draft, method, max_running=4, max_model_len=64, adapt=False)
+    engine = Engine(target64, draft, method, max_running=4, max_model_len=64, policy=PolicyOptions(adapt=False))
     params = [SamplingParams(temperature=temperature, seed=i, max_new_tokens=16, ignore_eos=True, logprobs=TOP,
                              prompt_logprobs=TOP if i % 2 == 0 else None,
                              repetition_penalty=1.4 if i == 3 else 1.0)   # raw: penalties do not show
@@ -88,7 +89,7 @@ def test_chunked_prefill_first_token_and_streamed_deltas(target64):
     """A long prompt prefilled in chunks gets its first token's logprob; the deltas' logprobs
     are the completion's, in order."""
     engine = Engine(target64, drafts(target64)["dflash"], "dflash", max_running=3, max_model_len=64,
-                    prefill_chunk_tokens=4)
+                    options=EngineOptions(prefill_chunk_tokens=4))
     prompt = list(range(1, 20))
     handle = engine.submit(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=1))
     short = engine.submit([5, 6], SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=1))

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
+from blockspec import PolicyOptions
 from blockspec.config import SamplingParams
 from blockspec.decoding import round as round_module
 from blockspec.engine.engine import Engine
@@ -82,13 +83,14 @@ def test_greedy_under_penalties_equals_the_reference(target64, method, monkeypat
                  make_draft(target64, "deepspec", 3, markov_rank=4, markov_type="gated", confidence=True))
         # Drafts of the penalised continuation itself, some corrupted: long runs accepted, some rejected.
         monkeypatch.setattr(round_module, "propose", oracle_propose([p + e for p, e in zip(PROMPTS, expected)], 3))
-    engine = Engine(target64, draft, method, max_running=4, max_model_len=64, adapt=False)
+    engine = Engine(target64, draft, method, max_running=4, max_model_len=64, policy=PolicyOptions(adapt=False))
     out = engine.generate(PROMPTS, params)
     assert [c.tokens for c in out] == expected
     if draft is not None:
         assert sum(sum(c.stats.accepted) for c in out) >= 10
     # generate() (the CLI's path) applies them the same way
-    assert [c.tokens for c in generate(target64, PROMPTS, params, draft=draft, adapt=False).completions] == expected
+    assert [c.tokens for c in generate(target64, PROMPTS, params, draft=draft,
+                                       policy=PolicyOptions(adapt=False)).completions] == expected
 
 
 def test_bad_values_are_refused():
@@ -127,7 +129,7 @@ def exact_penalised_first_three(target, p: SamplingParams) -> torch.Tensor:
 def sampled_counts(target, draft) -> torch.Tensor:
     rows = [SamplingParams(**{**SAMPLED.__dict__, "seed": i}) for i in range(N)]
     counts = torch.zeros(VOCAB ** 3)
-    for c in generate(target, [PROMPT] * N, rows, draft=draft, adapt=False).completions:
+    for c in generate(target, [PROMPT] * N, rows, draft=draft, policy=PolicyOptions(adapt=False)).completions:
         a, b, d = c.tokens
         counts[(a * VOCAB + b) * VOCAB + d] += 1
     return counts

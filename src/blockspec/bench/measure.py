@@ -10,9 +10,9 @@ throughput vs concurrency (docs/design.md sections 1, 5 and 11).
   :class:`~blockspec.decoding.generate.Timing` (the engine's scheduler planning
   time counts as verify time for ``dspark-scheduled``).
 - DSpark calibration: a separate, untimed batch-1 `generate` pass whose round
-  observer (:class:`~blockspec.decoding.acceptance.RoundRecorder`) records each
+  observer (:class:`~blockspec.metrics.RoundRecorder`) records each
   round's confidences; the survival ``s_k = prod c_j`` is scored against the actual
-  prefix outcomes with :func:`~blockspec.decoding.acceptance.calibration`.
+  prefix outcomes with :func:`~blockspec.metrics.calibration`.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import torch
 from blockspec.bench import plots
 from blockspec.bench.arms import Arm, BenchSetup, RunRecord
 from blockspec.config import SamplingParams
-from blockspec.decoding.acceptance import AcceptanceStats, RoundRecorder, calibration
+from blockspec.decoding.generate import RoundRecorder
 from blockspec.decoding.generate import GenerateOptions, Timing, generate
 from blockspec.decoding.policy import PolicyOptions
 from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
+from blockspec.metrics import AcceptanceStats, calibration
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 

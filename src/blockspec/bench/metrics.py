@@ -1,7 +1,7 @@
 """Report helpers of the benchmark: speed-up summary and Markdown tables.
 
 The acceptance and calibration metrics (tau, AcceptanceStats, calibration,
-survival, prefix outcomes) live in :mod:`blockspec.decoding.acceptance`.
+survival, prefix outcomes) live in :mod:`blockspec.metrics`.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def plot_throughput_vs_concurrency(concurrency: list[int], tps_by_method: dict[s
 
 
 def plot_reliability(reliability: list[dict], path: str | Path) -> Path:
-    """Reliability diagram from :func:`blockspec.decoding.acceptance.calibration`'s ``reliability``.
+    """Reliability diagram from :func:`blockspec.metrics.calibration`'s ``reliability``.
 
     Bars show the observed positive fraction per bin, dots the mean prediction;
     empty bins are skipped.  The diagonal marks perfect calibration.

@@ -8,13 +8,13 @@ cache rows are dropped) so the others stop paying for it.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
 from blockspec.config import METHODS, SamplingParams
-from blockspec.decoding.acceptance import tau
 from blockspec.decoding.captured import CapturedSteps, captured_steps
 from blockspec.decoding.context import PendingContext
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
@@ -23,13 +23,15 @@ from blockspec.decoding.policy import PolicyOptions, RoundPolicy
 from blockspec.decoding.round import DENSE, Forwards, Prefilled, RoundInputs, RoundOutcome, prefill, speculative_round
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
+from blockspec.metrics import prefix_outcomes, survival, tau
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
 # Target features a row may buffer before the draft must absorb them (AR stretches of the adaptive policy).
 PENDING_POSITIONS = 64
 
-__all__ = ["Completion", "GenerateOptions", "GenerationOutput", "RequestStats", "RoundObserver", "Timing", "generate"]
+__all__ = ["Completion", "GenerateOptions", "GenerationOutput", "RequestStats", "RoundObserver", "RoundRecord",
+           "RoundRecorder", "Timing", "generate"]
 
 
 @dataclass
@@ -233,3 +235,37 @@ def _drop_finished(owner: _Batch, active: list[int], states: list[RequestOutputS
     batch.sampler = batch.sampler.select(keep)
     batch.anchors = batch.anchors[index]
     return [active[i] for i in keep]
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One request's part of one verify round."""
+
+    request: int                      # the prompt's index in its `generate` call
+    verified: int                     # drafts verified
+    accepted: int                     # drafts accepted
+    confidences: tuple[float, ...]    # c_k of the drafted slots (empty when the draft has no confidence head)
+
+
+class RoundRecorder:
+    """Round observer for ``GenerateOptions(observer=...)``: one :class:`RoundRecord` per request per round."""
+
+    def __init__(self) -> None:
+        self.records: list[RoundRecord] = []
+
+    def on_round(self, outcome: RoundOutcome, requests: Sequence[int]) -> None:
+        conf = outcome.raw_confidence.tolist() if outcome.raw_confidence is not None else []
+        for i, request in enumerate(requests):
+            self.records.append(RoundRecord(request, outcome.verified[i], outcome.accepted[i],
+                                            tuple(conf[i]) if i < len(conf) else ()))
+
+    def survival_outcomes(self) -> tuple[list[float], list[int]]:
+        """Every verified slot of every round with confidences: its prefix survival ``s_k``
+        and whether the prefix up to it was accepted (the pairs :func:`calibration` scores)."""
+        pred: list[float] = []
+        outcome: list[int] = []
+        for r in self.records:
+            if r.confidences:
+                pred.extend(survival(r.confidences)[:r.verified])
+                outcome.extend(prefix_outcomes(r.accepted, r.verified))
+        return pred, outcome

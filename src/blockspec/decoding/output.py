@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.acceptance import tau
 from blockspec.decoding.logprobs import TokenLogprob
 from blockspec.errors import BlockspecError
+from blockspec.metrics import tau
 
 
 class Detokenizer(Protocol):

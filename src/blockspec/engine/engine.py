@@ -100,13 +100,10 @@ def request_sampler(reqs: list[Any], target: TargetModel) -> RowSampler:
 class Engine:
     """Continuous-batching speculative decoding over a fixed KV slot pool.
 
-    method: "ar" | "dflash" | "dspark". policy: a `RoundPolicy`, or the `PolicyOptions`
-    to build one from (`RoundPolicy.for_method`; default adaptive: per temperature band,
-    draft or not and how long a block; DSpark's scheduled verify lengths; the cost table
-    measured once per machine and model pair). Memory (`memory.plan_for_models`): rows =
-    min(max_running, slots that fit the options' memory budget); slots of max_model_len
-    positions. options: `EngineOptions`. forwards: the round's forwards strategy
-    (`round.PackedForwards`; the bench and tests wrap it)."""
+    method: "ar" | "dflash" | "dspark". policy: a `RoundPolicy` or the `PolicyOptions` to
+    build one from (`RoundPolicy.for_method`; default adaptive). Memory: rows = min(max_running,
+    slots that fit the options' budget: `memory.plan_for_models`) of max_model_len positions.
+    forwards: the round's strategy (`round.PackedForwards`; the bench and tests wrap it)."""
 
     def __init__(self, target: TargetModel, draft: DraftModel | None = None, method: str = "ar", *,
                  max_running: int = 32, max_model_len: int | None = None, tokenizer: Detokenizer | None = None,
@@ -142,7 +139,6 @@ class Engine:
         self._drain = True
         self.failure: BaseException | None = None
 
-    # -- construction helpers ------------------------------------------------------
     @property
     def rows(self) -> int:
         return self.slots.rows
@@ -302,7 +298,7 @@ class Engine:
             self.stats.admitted(req.handle.times, admitted)
         self.slots.reset(first, last)
         view, draft_view = self.slots.views(first, last)
-        sampler = self._sampler(new)
+        sampler = request_sampler(new, self.target)
         tops = [-1 if r.params.prompt_logprobs is None else r.params.prompt_logprobs for r in new]
         done = prefill(self.target, view, [r.prompt for r in new], sampler, self.draft, draft_view, tops)
         for i, (req, tok) in enumerate(zip(new, done.anchors.tolist())):
@@ -324,9 +320,6 @@ class Engine:
             self._running.append(req)
         self._emit(req, [req.anchor], logprobs)
 
-    def _sampler(self, reqs: list[Request]) -> RowSampler:
-        return request_sampler(reqs, self.target)
-
     def _round(self) -> None:
         """One round for every running request, then their tokens streamed."""
         t_start = time.perf_counter()
@@ -338,7 +331,7 @@ class Engine:
         view, draft_view = self.slots.views(0, len(reqs))
         anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.long, device=self.target.device)
         batch = RoundInputs(self.target, self.draft, view, draft_view, self.slots.pending, anchors,
-                            self._sampler(reqs), bands, self.forwards)
+                            request_sampler(reqs, self.target), bands, self.forwards)
         outcome = speculative_round(batch, self.policy, rule=self.rule)
         for i, req in enumerate(reqs):
             req.output.record_round(outcome.verified[i], outcome.accepted[i])

@@ -13,9 +13,9 @@ import threading
 from collections import Counter
 from typing import Any
 
-from blockspec.decoding.acceptance import tau
 from blockspec.decoding.round import RoundOutcome
 from blockspec.engine.handles import RequestTimes
+from blockspec.metrics import tau
 
 REQUEST_OUTCOMES = ("submitted", "finished", "cancelled", "rejected", "failed")
 PHASES = ("prefill", "draft", "plan", "verify")

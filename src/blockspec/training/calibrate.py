@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.acceptance import RoundRecorder, calibration, prefix_outcomes
+from blockspec.decoding.generate import RoundRecorder
 from blockspec.decoding.generate import GenerateOptions, generate
 from blockspec.decoding.policy import PolicyOptions
 from blockspec.errors import BlockspecError
+from blockspec.metrics import calibration, prefix_outcomes
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 

@@ -19,9 +19,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.acceptance import AcceptanceStats
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
+from blockspec.metrics import AcceptanceStats
 from blockspec.models.eagle3 import Eagle3Draft
 from blockspec.models.target import TargetModel
 from blockspec.training.data import Example, PackedRows

@@ -25,12 +25,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from blockspec.config import SamplingParams
-from blockspec.embedded import default_target
-from blockspec.decoding.acceptance import AcceptanceStats
 from blockspec.decoding.generate import generate
 from blockspec.decoding.policy import PolicyOptions
+from blockspec.embedded import default_target
 from blockspec.errors import BlockspecError
 from blockspec.interop import mask_token_of
+from blockspec.metrics import AcceptanceStats
 from blockspec.models.checkpoint import load_draft, load_eagle3, load_target, save_draft, save_eagle3
 from blockspec.models.draft import DraftModel
 from blockspec.models.eagle3 import Eagle3Draft

@@ -14,8 +14,8 @@ survival ``s_k = prod_{j<=k} c_j`` predicts the outcome ``accepted >= k`` (see
 ``tau = (accepted drafts + rounds) / rounds`` (:func:`tau`) is THE tau formula of the
 package (docs/design.md section 1); every other tau is computed with it.
 
-:class:`RoundRecorder` is the round observer (``generate(options=GenerateOptions(observer=...))``) that
-calibration (bench and STS training) reads its rounds from.
+The round observer that calibration (bench and STS training) reads its rounds from,
+``RoundRecorder``, lives with `generate` (decoding/generate.py); it scores with these.
 
 Everything here is pure Python / numpy; torch is not needed.
 """
@@ -26,12 +26,9 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:  # type only: the round module is torch; this one stays numpy
-    from blockspec.decoding.round import RoundOutcome
 
 __all__ = [
     "tau",
@@ -39,8 +36,6 @@ __all__ = [
     "calibration",
     "survival",
     "prefix_outcomes",
-    "RoundRecord",
-    "RoundRecorder",
 ]
 
 
@@ -260,38 +255,3 @@ def prefix_outcomes(accepted: int, num_drafts: int) -> list[int]:
     """For ``k = 1..num_drafts``: 1 if ``accepted >= k`` else 0 (target of ``s_k``)."""
     a, n = _check_round(accepted, num_drafts)
     return [1 if a >= k else 0 for k in range(1, n + 1)]
-
-
-# ---------------------------------------------------------------------- recording rounds
-@dataclass(frozen=True)
-class RoundRecord:
-    """One request's part of one verify round."""
-
-    request: int                      # the prompt's index in its `generate` call
-    verified: int                     # drafts verified
-    accepted: int                     # drafts accepted
-    confidences: tuple[float, ...]    # c_k of the drafted slots (empty when the draft has no confidence head)
-
-
-class RoundRecorder:
-    """Round observer for ``GenerateOptions(observer=...)``: one :class:`RoundRecord` per request per round."""
-
-    def __init__(self) -> None:
-        self.records: list[RoundRecord] = []
-
-    def on_round(self, outcome: RoundOutcome, requests: Sequence[int]) -> None:
-        conf = outcome.raw_confidence.tolist() if outcome.raw_confidence is not None else []
-        for i, request in enumerate(requests):
-            self.records.append(RoundRecord(request, outcome.verified[i], outcome.accepted[i],
-                                            tuple(conf[i]) if i < len(conf) else ()))
-
-    def survival_outcomes(self) -> tuple[list[float], list[int]]:
-        """Every verified slot of every round with confidences: its prefix survival ``s_k``
-        and whether the prefix up to it was accepted (the pairs :func:`calibration` scores)."""
-        pred: list[float] = []
-        outcome: list[int] = []
-        for r in self.records:
-            if r.confidences:
-                pred.extend(survival(r.confidences)[:r.verified])
-                outcome.extend(prefix_outcomes(r.accepted, r.verified))
-        return pred, outcome
