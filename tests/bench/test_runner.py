@@ -340,8 +340,9 @@ def test_interrupted_bench_keeps_the_finished_groups(models, tmp_path, monkeypat
 
     monkeypatch.setattr(run_module, "_run_group", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run_bench(models / "target", {}, [str(models / "prompts.jsonl")], ["ar"], temperatures=[0.0, 1.0],
-                  max_new_tokens=4, limit=1, out_dir=tmp_path / "part", progress=False)
+        run_bench(models / "target", {}, [str(models / "prompts.jsonl")],
+                  BenchOptions(methods=["ar"], temperatures=[0.0, 1.0], max_new_tokens=4, limit=1,
+                               out_dir=tmp_path / "part", progress=False))
     partial = strict_json(tmp_path / "part" / "results.json")
     assert len(partial["rows"]) == 1 and any("interrupted" in n for n in partial["meta"]["notes"])
 

@@ -12,9 +12,8 @@ from blockspec import EngineOptions, PolicyOptions
 from blockspec.config import SamplingParams
 from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
-from blockspec.decoding import round as round_module
 from conftest import make_draft, make_target
-from test_generate import oracle_propose
+from test_generate import OracleForwards
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3, 3, 3]]
 TOP = 3
@@ -62,8 +61,8 @@ def test_engine_logprobs_equal_the_targets_own(target64, method, temperature, mo
     draft = drafts(target64)[method]
     # Drafts of the target's own greedy continuation (some corrupted): long accepted runs.
     greedy = generate(target64, PROMPTS, SamplingParams(max_new_tokens=16, ignore_eos=True)).completions
-    monkeypatch.setattr(round_module, "propose", oracle_propose([p + c.tokens for p, c in zip(PROMPTS, greedy)], 3))
     engine = Engine(target64, draft, method, max_running=4, max_model_len=64, policy=PolicyOptions(adapt=False))
+    engine.forwards = OracleForwards(engine.forwards, [p + c.tokens for p, c in zip(PROMPTS, greedy)], 3)
     params = [SamplingParams(temperature=temperature, seed=i, max_new_tokens=16, ignore_eos=True, logprobs=TOP,
                              prompt_logprobs=TOP if i % 2 == 0 else None,
                              repetition_penalty=1.4 if i == 3 else 1.0)   # raw: penalties do not show

@@ -12,16 +12,15 @@ from collections import Counter
 import pytest
 import torch
 
-from blockspec import PolicyOptions
+from blockspec import GenerateOptions, PolicyOptions
 from blockspec.config import SamplingParams
-from blockspec.decoding import round as round_module
 from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
 from blockspec.decoding.penalties import LogitAdjust
 from blockspec.errors import BlockspecError
 from conftest import make_draft, make_target
 from lossless_stats import chi_square_p
-from test_generate import oracle_propose
+from test_generate import OracleForwards
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13], [3, 3, 3]]
 PENALTIES = [
@@ -77,20 +76,23 @@ def test_adjust_follows_the_drafts_position_by_position(target64):
 def test_greedy_under_penalties_equals_the_reference(target64, method, monkeypatch):
     params = [SamplingParams(max_new_tokens=14, ignore_eos=True, **PENALTIES[i]) for i in range(len(PROMPTS))]
     expected = [greedy_reference(target64, p, sp) for p, sp in zip(PROMPTS, params)]
-    draft = None
+    draft, oracle = None, None
+    engine = Engine(target64, None, "ar", max_running=4, max_model_len=64, policy=PolicyOptions(adapt=False))
     if method != "ar":
         draft = (make_draft(target64, "zlab", 4) if method == "dflash" else
                  make_draft(target64, "deepspec", 3, markov_rank=4, markov_type="gated", confidence=True))
+        engine = Engine(target64, draft, method, max_running=4, max_model_len=64, policy=PolicyOptions(adapt=False))
         # Drafts of the penalised continuation itself, some corrupted: long runs accepted, some rejected.
-        monkeypatch.setattr(round_module, "propose", oracle_propose([p + e for p, e in zip(PROMPTS, expected)], 3))
-    engine = Engine(target64, draft, method, max_running=4, max_model_len=64, policy=PolicyOptions(adapt=False))
+        full = [p + e for p, e in zip(PROMPTS, expected)]
+        oracle = GenerateOptions(forwards=lambda inner: OracleForwards(inner, full, 3))
+        engine.forwards = oracle.forwards(engine.forwards)
     out = engine.generate(PROMPTS, params)
     assert [c.tokens for c in out] == expected
     if draft is not None:
         assert sum(sum(c.stats.accepted) for c in out) >= 10
     # generate() (the CLI's path) applies them the same way
-    assert [c.tokens for c in generate(target64, PROMPTS, params, draft=draft,
-                                       policy=PolicyOptions(adapt=False)).completions] == expected
+    assert [c.tokens for c in generate(target64, PROMPTS, params, draft=draft, policy=PolicyOptions(adapt=False),
+                                       options=oracle).completions] == expected
 
 
 def test_bad_values_are_refused():

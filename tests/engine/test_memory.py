@@ -111,7 +111,7 @@ def test_a_plan_without_room_for_one_sequence_is_a_clear_error():
 def test_cpu_default_budget_is_modest(monkeypatch):
     """On a CPU host the default KV budget is the smaller of 4 GiB and a quarter of the free memory
     (vLLM's CPU backend), not 0.9 x the host: a 131k-context checkpoint must not take the machine."""
-    from blockspec.decoding import memory
+    from blockspec.engine import memory
 
     monkeypatch.setattr(memory, "device_memory", lambda device: (256 * GIB, 100 * GIB))
     budget, source = memory.memory_budget("cpu", None, None, GIB)
