@@ -28,9 +28,8 @@ def short_deadline(monkeypatch):
     monkeypatch.setattr(template_sandbox, "RENDER_TIMEOUT_S", 0.5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def warm_workers():
-    """Start every worker once (each imports transformers) so the timings below are renders."""
+def start_every_worker() -> None:
+    """Every worker started (each imports transformers), so the timings below are renders."""
     threads = [threading.Thread(target=render, args=(PLAIN,)) for _ in range(WORKERS.size)]
     for t in threads:
         t.start()
@@ -38,7 +37,14 @@ def warm_workers():
         t.join()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def warm_workers():
+    start_every_worker()
+
+
 def test_a_looping_template_ends_at_its_deadline_while_another_render_is_answered():
+    WORKERS.close()   # whatever earlier tests left (a killed worker restarts on its next render)
+    start_every_worker()
     failed: list[str] = []
 
     def hostile() -> None:

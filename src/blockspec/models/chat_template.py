@@ -163,14 +163,15 @@ def has_generation_blocks(template: str) -> bool:
 
 
 def render_with_spans(template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                      special_tokens: dict[str, str], tools: list[dict[str, Any]] | None = None,
-                      documents: list[dict[str, Any]] | None = None, assistant_spans: bool = True,
-                      where: str = "inline", max_chars: int = MAX_CHARS,
-                      **kwargs: Any) -> tuple[str, list[tuple[int, int]]]:
+                      special_tokens: dict[str, str], assistant_spans: bool = True, where: str = "inline",
+                      max_chars: int = MAX_CHARS, **kwargs: Any) -> tuple[str, list[tuple[int, int]]]:
     """`render`, plus the character spans [start, end) of the template's `{% generation %}` blocks
     (transformers' `return_assistant_tokens_mask`); no spans when the template has none. The
     render is bounded (template_sandbox.py): a deadline, a memory cap, at most `max_chars`
-    characters; any failure is a BlockspecError naming `where` (the template's source)."""
+    characters; any failure is a BlockspecError naming `where` (the template's source).
+    kwargs: the template's variables, `tools` and `documents` among them (transformers' own
+    arguments of the same names)."""
+    tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
     if not isinstance(messages, list) or not messages:
         raise BlockspecError("a chat needs a non-empty list of messages")
     for m in messages:
