@@ -55,7 +55,7 @@ def measure(target, draft, context: int, repeats: int) -> dict[str, float]:
     prompt = torch.randint(5, target.config.vocab_size, (context,)).tolist()
     cap = context + 64
     cache, dcache = target.new_cache(1, cap), draft.new_cache(1, cap + 32)
-    anchors = prefill(target, cache, [prompt], sampler, draft, dcache)
+    anchors = prefill(target, cache, [prompt], sampler, draft, dcache).anchors
     t_draft, t_verify, t_ar = [], [], []
     for _ in range(repeats):
         start_t, start_d = cache.lengths.clone(), dcache.lengths.clone()
