@@ -114,23 +114,45 @@ def test_resume_refuses_a_state_of_another_shape(corpus, tmp_path):
         pt.pretrain(config(corpus, tmp_path / "a", max_steps=4))
 
 
+def probe_with_step_costs(monkeypatch, corpus, tmp_path, seconds: dict[bool, float]) -> tuple[bool, dict, dict]:
+    """choose_precision with training steps that only take `seconds[bf16]` (this machine's real
+    bf16 speed would decide otherwise: without native bf16 GEMMs it is ~10x slower)."""
+    calls = {True: 0, False: 0}
+
+    def fake_step(model, opt, stream, cfg, step, device, bf16):
+        calls[bf16] += 1
+        time.sleep(seconds[bf16])
+        return 0.0, 0.0
+
+    monkeypatch.setattr(pt, "train_step", fake_step)
+    cfg = config(corpus, tmp_path, precision="auto")
+    model = pt.build_model(cfg, pt.Tokenizer.from_file(str(TOKENIZER / "tokenizer.json")))
+    stream = torch.arange(200, dtype=torch.int32)
+    bf16, speeds = pt.choose_precision(model, stream, cfg, torch.device("cpu"))
+    return bf16, speeds, calls
+
+
 @pytest.mark.parametrize("slow", ["float32", "bfloat16"])
 def test_auto_precision_takes_the_faster(corpus, tmp_path, monkeypatch, slow):
-    real = pt.train_step
+    bf16, speeds, _ = probe_with_step_costs(monkeypatch, corpus, tmp_path,
+                                            {slow == "bfloat16": 0.06, slow != "bfloat16": 0.01})
+    assert set(speeds) == {"float32", "bfloat16"} and bf16 == (slow == "float32")
 
-    def timed(model, opt, stream, cfg, step, device, bf16):
-        out = real(model, opt, stream, cfg, step, device, bf16)
-        if bf16 == (slow == "bfloat16"):
-            time.sleep(0.05)
-        return out
 
-    monkeypatch.setattr(pt, "train_step", timed)
+def test_auto_precision_stops_timing_bf16_once_it_has_lost(corpus, tmp_path, monkeypatch):
+    """A CPU without native bf16 GEMMs: bf16 steps 10x slower stop after one timed step, once
+    they have used float32's whole probe time."""
+    bf16, speeds, calls = probe_with_step_costs(monkeypatch, corpus, tmp_path, {True: 0.2, False: 0.02})
+    assert not bf16 and speeds["bfloat16"] < speeds["float32"]
+    assert calls == {False: 4, True: 2}   # warm-up + 3 timed steps; warm-up + 1
+
+
+def test_the_precision_probe_is_recorded(corpus, tmp_path):
     result = pt.pretrain(config(corpus, tmp_path / "a", precision="auto", max_steps=2))
     assert set(result["precision_probe"]) == {"float32", "bfloat16"}
-    assert result["precision"] == ("float32" if slow == "bfloat16" else "bfloat16")
     meta = json.loads((tmp_path / "a" / "state" / "meta.json").read_text())
     probe = [e for e in meta["events"] if e["event"] == "precision probe"]
-    assert probe[0]["chosen"] == result["precision"]
+    assert probe[0]["chosen"] == result["precision"] and probe[0]["tokens_per_s"] == result["precision_probe"]
 
 
 def test_sigterm_saves_every_step_done(corpus, tmp_path):

@@ -204,7 +204,10 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, stream: torch.Tenso
 def choose_precision(model: nn.Module, stream: torch.Tensor, cfg: PretrainConfig, device: torch.device,
                      steps: int = 3) -> tuple[bool, dict[str, float]]:
     """(use bf16, tokens/s of each precision): `auto` times a few training steps of each on a
-    copy of the model (the run's own weights and optimizer are untouched)."""
+    copy of the model (the run's own weights and optimizer are untouched). bf16 is timed second
+    and stops after one timed step once it has used float32's whole probe time: on CPUs without native bf16 matrix
+    units its GEMMs run ~10x slower (an AMD EPYC without AVX512-BF16: 11x), and finishing its
+    steps would cost minutes to learn what one step shows."""
     if cfg.precision != "auto":
         return cfg.precision == "bfloat16", {}
     speeds = {}
@@ -212,15 +215,19 @@ def choose_precision(model: nn.Module, stream: torch.Tensor, cfg: PretrainConfig
     # probe costs a quarter of the run's own batches (it runs at every start).
     cfg = replace(cfg, batch_size=min(cfg.batch_size, 2), grad_accum=1)
     tokens = cfg.batch_size * cfg.seq_len
+    budget = None
     for name in ("float32", "bfloat16"):
         probe = copy.deepcopy(model)
         probe = torch.compile(probe) if cfg.compile else probe
         opt = make_optimizer(probe, cfg)
+        start = time.perf_counter()
         train_step(probe, opt, stream, cfg, 0, device, name == "bfloat16")   # warm-up (and compile)
-        t0 = time.perf_counter()
-        for s in range(steps):
-            train_step(probe, opt, stream, cfg, s + 1, device, name == "bfloat16")
-        speeds[name] = round(tokens * steps / (time.perf_counter() - t0), 1)
+        t0, done = time.perf_counter(), 0
+        while done < steps and (done == 0 or budget is None or time.perf_counter() - start < budget):
+            train_step(probe, opt, stream, cfg, done + 1, device, name == "bfloat16")
+            done += 1
+        speeds[name] = round(tokens * done / (time.perf_counter() - t0), 1)
+        budget = time.perf_counter() - start if budget is None else budget
         del probe, opt
     return speeds["bfloat16"] > speeds["float32"], speeds
 
