@@ -96,6 +96,28 @@ def field_comments(cls: type) -> dict[str, str]:
     return {m[1]: m[2].strip() for m in re.finditer(r"^\s+(\w+):[^\n#]*#([^\n]*)$", source, re.M)}
 
 
+GIVEN = "flags_given"   # Namespace attribute: the dests of the dataclass flags on the command line
+
+
+def _note_given(namespace: argparse.Namespace, dest: str) -> None:
+    setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {dest})
+
+
+class _StoreGiven(argparse.Action):
+    """Stores the value and notes that the flag was given, so a flag equal to its default
+    still overrides a --config file (`--precision float32` over a file's "auto")."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        _note_given(namespace, self.dest)
+
+
+class _BoolGiven(argparse.BooleanOptionalAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        _note_given(namespace, self.dest)
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per dataclass field (--field-name), typed by its default, documented by its comment."""
     comments = field_comments(cls)
@@ -105,15 +127,17 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         text = comments.get(f.name, "")
         help_text = f"{text} (default: {default!r})" if text else f"default: {default!r}"
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text or None)
+            parser.add_argument(flag, action=_BoolGiven, default=default, help=text or None)
         elif default is None:
-            parser.add_argument(flag, default=None, help=help_text)
+            parser.add_argument(flag, action=_StoreGiven, default=None, help=help_text)
         else:
-            parser.add_argument(flag, type=type(default), default=default, help=help_text.replace("%", "%%"))
+            parser.add_argument(flag, action=_StoreGiven, type=type(default), default=default,
+                                help=help_text.replace("%", "%%"))
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, config_file: str | None = None) -> Any:
-    """Defaults < JSON config file < flags given on the command line."""
+    """Defaults < JSON config file < flags given on the command line (even when a given value
+    equals the default)."""
     values: dict[str, Any] = {}
     if config_file:
         data = read_json(Path(config_file), "config file", in_checkpoint=False)
@@ -122,9 +146,8 @@ def dataclass_from_args(cls: type, args: argparse.Namespace, config_file: str | 
         if unknown:
             raise BlockspecError(f"config file {config_file}: unknown keys {sorted(unknown)}")
         values.update(data)
+    given = getattr(args, GIVEN, frozenset())
     for f in dataclasses.fields(cls):
-        value = getattr(args, f.name)
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if value != default or f.name not in values:
-            values[f.name] = value
+        if f.name in given or f.name not in values:
+            values[f.name] = getattr(args, f.name)
     return cls(**values)
