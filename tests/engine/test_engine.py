@@ -23,7 +23,8 @@ from blockspec.decoding.sampling import RowSampler, Verdict, warp
 from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
 from lossless_stats import chi_square_p, exact_first_three
-from conftest import make_draft, make_target, oracle_tokens
+from blockspec.models.chain_draft import Eagle3Drafter
+from conftest import make_draft, make_eagle3, make_target, oracle_tokens
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [4, 4, 4, 4],
            [20, 21, 22], [30, 31, 32, 33, 34, 35], [40, 2]]
@@ -36,7 +37,8 @@ SCHED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0])
 # with more running requests it verifies its anchor, and explores with the full block.
 GATED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0], draft_rows=[1, 2, 3], draft_times_s=[2.0, 3.0, 3.0],
                         draft_slot_times={1: [0.01, 2.0, 2.5]}, draft_window=3)
-CONFIGS = ["ar", "dflash", "dspark", "dspark-scheduled", "dspark-gated", "dflash-gated", "dflash-auto", "dspark-auto"]
+CONFIGS = ["ar", "dflash", "dspark", "dspark-scheduled", "dspark-gated", "dflash-gated", "dflash-auto", "dspark-auto",
+           "eagle3", "eagle3-auto"]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,10 @@ def requests(target64):
 def build(target, config: str, block_size: int = 4, max_running: int = 3, max_model_len: int = 64,
           kv_memory_gb: float | None = None, **kw) -> Engine:
     kw.update(max_running=max_running, max_model_len=max_model_len, options=EngineOptions(kv_memory_gb=kv_memory_gb))
+    if config.startswith("eagle3"):   # a chain of block_size - 1 drafts; -auto: the adaptive policy
+        draft = Eagle3Drafter.pair(make_eagle3(target), target, block_size - 1)
+        return Engine(target, draft, "eagle3", policy=None if config.endswith("-auto") else PolicyOptions(adapt=False),
+                      **kw)
     if config.endswith("-auto"):   # the default: adaptive, the cost table measured and cached
         method = config.removesuffix("-auto")
         draft = (make_draft(target, "zlab", block_size) if method == "dflash" else
@@ -172,7 +178,7 @@ class OracleForwards(WrappedForwards):
         return Proposal(tokens, probs, planned, confidence)
 
 
-@pytest.mark.parametrize("config", ["dflash", "dspark", "dspark-scheduled"])
+@pytest.mark.parametrize("config", ["dflash", "dspark", "dspark-scheduled", "eagle3"])
 def test_long_accepted_runs_stop_inside_runs(monkeypatch, target64, requests, config):
     full = [prompt + ref.tokens for prompt, _, ref in requests]
     engine = build(target64, config, block_size=8, max_running=4)
@@ -317,6 +323,9 @@ def sampling_engine(target, method: str, calibrate: bool = True) -> Engine:
     if method == "dflash":
         return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24,
                       policy=PolicyOptions(adapt=False))
+    if method == "eagle3":   # a draft vocabulary of 8 of the 12 tokens: q = 0 on the other 4
+        draft = Eagle3Drafter.pair(make_eagle3(target, draft_vocab=8, seed=5), target, 3)
+        return Engine(target, draft, "eagle3", max_running=1024, max_model_len=24, policy=PolicyOptions(adapt=False))
     if method == "dflash-gated":
         table = CostTable([1, 10000], [1.0, 51.0], draft_rows=[1, 10000], draft_times_s=[0.01, 500.0],
                           draft_slot_times={1: [0.005, 200.0]}, draft_window=3)
@@ -333,6 +342,7 @@ def sampling_engine(target, method: str, calibrate: bool = True) -> Engine:
 
 @pytest.mark.parametrize("method, params", [
     ("dflash", SamplingParams(temperature=1.0)),
+    ("eagle3", SamplingParams(temperature=1.0)),
     ("dspark-scheduled", SamplingParams(temperature=0.7, top_p=0.8)),
     ("dspark-scheduled-uncalibrated", SamplingParams(temperature=0.7, top_p=0.8)),
     ("dspark-gated", SamplingParams(temperature=1.0, top_k=6)),

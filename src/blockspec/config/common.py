@@ -11,8 +11,8 @@ from blockspec.errors import BlockspecError
 
 SUPPORTED_TARGET_TYPES = ("qwen3", "llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-# Decoding methods: plain AR, DFlash drafts, DSpark drafts (docs/design.md sections 3 and 5).
-DRAFT_METHODS = ("dflash", "dspark")
+# Decoding methods: plain AR, DFlash drafts, DSpark drafts, EAGLE-3 chains (docs/design.md sections 3 and 5).
+DRAFT_METHODS = ("dflash", "dspark", "eagle3")
 METHODS = ("ar", *DRAFT_METHODS)
 # Verification rules (docs/design.md section 4): lossless rejection sampling, sample-and-match.
 RULES = ("rejection", "match")

@@ -201,3 +201,64 @@ class Eagle3Config:
         ids = self.aux_layer_ids(target.num_hidden_layers)
         require(max(ids) < target.num_hidden_layers,
                  f"{where}: auxiliary layers {ids} name layers beyond the target's {target.num_hidden_layers}")
+
+
+# Drafts per round of a chain when none is asked for: the training-time test's 7 steps
+# (train --ttt-steps), the depth the draft learned to continue its own predictions to.
+DEFAULT_CHAIN_DRAFTS = 7
+
+
+@dataclass(frozen=True)
+class ChainDraftConfig:
+    """What decoding reads of an EAGLE-3 draft paired with a target (docs/design.md section
+    3.1): the names DraftConfig gives a DFlash draft's run-time shape, so the round, the
+    policy, the memory plan and the cost table treat both alike. `num_drafts`: the chain's
+    length k (a run-time choice, any k >= 1); `block_size` counts the anchor as well (k + 1,
+    as z-lab blocks and SGLang's num_draft_tokens do); `target_layer_ids`: the auxiliary
+    layers resolved for the target; `hidden_size`: the width of each captured feature (the
+    target's hidden size, as for DFlash); `draft`: the file's config."""
+
+    draft: Eagle3Config
+    num_drafts: int
+    target_layer_ids: list[int]
+    layout: str = "eagle3"
+    is_dspark: bool = False
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.num_drafts, int) and not isinstance(self.num_drafts, bool) and self.num_drafts >= 1,
+                f"EAGLE-3: drafts per round must be a positive integer, got {self.num_drafts!r}")
+
+    @classmethod
+    def of(cls, draft: Eagle3Config, num_target_layers: int, num_drafts: int = DEFAULT_CHAIN_DRAFTS
+           ) -> "ChainDraftConfig":
+        return cls(draft, num_drafts, draft.aux_layer_ids(num_target_layers))
+
+    @property
+    def block_size(self) -> int:
+        return self.num_drafts + 1
+
+    @property
+    def hidden_size(self) -> int:
+        return self.draft.target_hidden_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.draft.num_hidden_layers
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.draft.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.draft.head_dim
+
+    def check_target(self, target: TargetConfig) -> None:
+        self.draft.check_target(target)
+
+    def signature(self) -> str:
+        """The shape a draft round's cost depends on (cost-table cache keys)."""
+        d = self.draft
+        return (f"eagle3 hidden={d.hidden_size} inter={d.intermediate_size} heads={d.num_attention_heads}/"
+                f"{d.num_key_value_heads} head_dim={d.head_dim} draft_vocab={d.draft_vocab_size} "
+                f"drafts={self.num_drafts} taps={self.target_layer_ids}")

@@ -265,8 +265,8 @@ class CapturedContext:
     def flush(self, rows: int) -> None:
         pass
 
-    def add(self, features: torch.Tensor, counts: torch.Tensor) -> None:
-        self.steps.append_context(features, counts)
+    def add(self, features: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor | None = None) -> None:
+        self.steps.append_context(features, counts)   # DFlash / DSpark only: no token reads its context
 
 
 class CapturedForwards(Forwards):

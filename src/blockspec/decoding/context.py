@@ -11,8 +11,13 @@ from typing import Protocol
 import torch
 
 from blockspec.errors import BlockspecError
+from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.models.draft import DraftModel
 from blockspec.models.kv_cache import KVCache
+
+
+# A draft the round runs: DFlash / DSpark (one block forward) or EAGLE-3 (a chain of one-token forwards).
+AnyDraft = DraftModel | Eagle3Drafter
 
 
 class DraftContext(Protocol):
@@ -21,8 +26,9 @@ class DraftContext(Protocol):
     def flush(self, rows: int) -> None:
         """The first `rows` rows are about to draft: their context must be complete."""
 
-    def add(self, features: torch.Tensor, counts: torch.Tensor) -> None:
-        """Row r (of the first features.shape[0]) committed the tokens of its first counts[r] features."""
+    def add(self, features: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor | None = None) -> None:
+        """Row r (of the first features.shape[0]) committed the tokens of its first counts[r]
+        features; next_tokens [R, W] (EAGLE-3): the token committed after each of them."""
 
 
 class PendingContext:
@@ -32,25 +38,34 @@ class PendingContext:
     A gated engine runs stretches of AR rounds; projecting each round's one token per
     row into every draft layer's K/V costs a few small GEMMs and KV writes per round.
     Rows buffer the features here instead and hand them to the draft in one batch:
-    right before they draft, or for everyone when a buffer would overflow."""
+    right before they draft, or for everyone when a buffer would overflow. An EAGLE-3
+    draft's context also reads the token after each position: those buffer beside them
+    (`tokens`, when `add` is given them)."""
 
-    def __init__(self, draft: DraftModel, cache: KVCache, capacity: int) -> None:
+    def __init__(self, draft: AnyDraft, cache: KVCache, capacity: int) -> None:
         self.draft, self.cache, self.capacity = draft, cache, capacity
         self.window = draft.config.num_drafts
         self.buf: torch.Tensor | None = None     # [rows, capacity, F], allocated on first use
+        self.tokens: torch.Tensor | None = None  # [rows, capacity] the tokens after them (EAGLE-3)
         self.lengths = torch.zeros(cache.rows, dtype=torch.long)
 
-    def add(self, features: torch.Tensor, counts: torch.Tensor) -> None:
-        """Row r (of the first features.shape[0]) appends its first counts[r] features."""
+    def add(self, features: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor | None = None) -> None:
+        """Row r (of the first features.shape[0]) appends its first counts[r] features (and
+        next_tokens [R, W]: the token committed after each, EAGLE-3)."""
         r, w, f = features.shape
         if self.buf is None:
             self.buf = features.new_zeros(self.cache.rows, self.capacity, f)
+        if next_tokens is not None and self.tokens is None:
+            self.tokens = next_tokens.new_zeros(self.cache.rows, self.capacity)
         if w == 1:   # an AR round: one feature per row, nothing to read from the device
             lengths = self.lengths[:r]
             top = int(lengths.max()) + 1
             if top > self.capacity:
                 raise BlockspecError("pending draft context overflow (flush before adding)")  # engine invariant
-            self.buf[torch.arange(r, device=features.device), lengths.to(features.device)] = features[:, 0]
+            at = (torch.arange(r, device=features.device), lengths.to(features.device))
+            self.buf[at] = features[:, 0]
+            if self.tokens is not None and next_tokens is not None:
+                self.tokens[at] = next_tokens[:, 0]
             lengths += 1
             if self.capacity - top <= self.window:   # the next round could overflow it
                 self.flush(r)
@@ -61,7 +76,10 @@ class PendingContext:
         keep = torch.arange(w).unsqueeze(0) < counts.unsqueeze(1)
         row_idx = torch.arange(r).unsqueeze(1).expand(r, w)[keep]
         col_idx = (self.lengths[:r].unsqueeze(1) + torch.arange(w))[keep]
-        self.buf[row_idx.to(features.device), col_idx.to(features.device)] = features[keep.to(features.device)]
+        at = (row_idx.to(features.device), col_idx.to(features.device))
+        self.buf[at] = features[keep.to(features.device)]
+        if self.tokens is not None and next_tokens is not None:
+            self.tokens[at] = next_tokens[keep.to(features.device)]
         self.lengths[:r] += counts
         if self.room(r) <= self.window:   # the next round could overflow it
             self.flush(r)
@@ -75,8 +93,11 @@ class PendingContext:
         if n == 0:
             return
         assert self.buf is not None
-        self.draft.append_context(self.cache.slice_rows(start, rows), self.buf[start:rows, :n],
-                                  self.lengths[start:rows].to(self.cache.lengths.device))
+        cache, counts = self.cache.slice_rows(start, rows), self.lengths[start:rows].to(self.cache.lengths.device)
+        if self.tokens is not None:
+            self.draft.append_context(cache, self.buf[start:rows, :n], counts, self.tokens[start:rows, :n])
+        else:
+            self.draft.append_context(cache, self.buf[start:rows, :n], counts)
         self.lengths[start:rows] = 0
 
     def clear(self, start: int, stop: int) -> None:
@@ -88,6 +109,8 @@ class PendingContext:
         if self.buf is not None:
             n = int(self.lengths[ab].max())
             self.buf[ab, :n] = self.buf[ba, :n]
+            if self.tokens is not None:
+                self.tokens[ab, :n] = self.tokens[ba, :n]
         self.lengths[ab] = self.lengths[ba]
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
@@ -96,5 +119,7 @@ class PendingContext:
         if self.buf is not None:
             n = int(self.lengths[src].max())
             self.buf[dst, :n] = self.buf[src, :n]
+            if self.tokens is not None:
+                self.tokens[dst, :n] = self.tokens[src, :n]
         self.lengths[dst] = self.lengths[src]
         self.lengths[src] = 0

@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from blockspec.config import SamplingParams, read_json
+from blockspec.decoding.context import AnyDraft
 from blockspec.decoding.round import propose
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
-from blockspec.models.draft import DraftModel
+from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.models.target import TargetModel
 
 TABLE_FORMAT = "blockspec-cost-table"
@@ -276,7 +277,7 @@ class ProfileOptions:
 
 @torch.inference_mode()
 def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptions | None = None, *,
-                       capture: tuple[int, ...] = (), draft: DraftModel | None = None,
+                       capture: tuple[int, ...] = (), draft: AnyDraft | None = None,
                        draft_rows: list[int] | None = None) -> CostTable:
     """Measure the packed verify forward (`TargetModel.forward_packed`) for each n.
 
@@ -332,10 +333,12 @@ def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptio
 
 
 @torch.inference_mode()
-def profile_draft(target: TargetModel, draft: DraftModel, rows_list: list[int], repeats: int = 5, *,
+def profile_draft(target: TargetModel, draft: AnyDraft, rows_list: list[int], repeats: int = 5, *,
                   context: int = 128, warmup: int = 2, seed: int = 0, block: int | None = None) -> list[float]:
     """Time of one draft round (`round.propose`, greedy, a block of `block` drafts;
-    default the full block) for each number of rows: the fastest of `repeats`, never falling as rows grow."""
+    default the full block) for each number of rows: the fastest of `repeats`, never falling as rows grow.
+    An EAGLE-3 round is a chain of `block` one-token forwards, so its time grows with the
+    block where DFlash's one forward barely does; the table holds both as measured."""
     device = target.device
     gen = torch.Generator().manual_seed(seed)
     feat_dim = len(draft.config.target_layer_ids) * draft.config.hidden_size
@@ -345,7 +348,11 @@ def profile_draft(target: TargetModel, draft: DraftModel, rows_list: list[int], 
             raise BlockspecError("profile_draft: every row count must be >= 1")
         cache = draft.new_cache(r, context + draft.config.block_size + 1)
         feats = torch.randn(r, context, feat_dim, generator=gen).to(device=device, dtype=draft.dtype)
-        draft.append_context(cache, feats, context)
+        if isinstance(draft, Eagle3Drafter):   # its context also reads the token after each position
+            tokens = torch.randint(0, target.config.vocab_size, (r, context), generator=gen).to(device)
+            draft.append_context(cache, feats, context, tokens)
+        else:
+            draft.append_context(cache, feats, context)
         anchors = torch.randint(0, target.config.vocab_size, (r,), generator=gen).to(device)
         sampler = RowSampler.from_params([SamplingParams()] * r, device)
         samples = []

@@ -1,4 +1,4 @@
-"""Batch generation for `ar`, `dflash` and `dspark`: a short loop over the one round.
+"""Batch generation for `ar`, `dflash`, `dspark` and `eagle3`: a short loop over the one round.
 
 Rows have different prompt lengths, accept different numbers of drafts each
 round and finish at different times; a finished row leaves the batch (its
@@ -16,7 +16,7 @@ import torch
 
 from blockspec.config import METHODS, SamplingParams
 from blockspec.decoding.captured import CapturedSteps, captured_steps
-from blockspec.decoding.context import PendingContext
+from blockspec.decoding.context import AnyDraft, PendingContext
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
 from blockspec.decoding.penalties import LogitAdjust
 from blockspec.decoding.policy import PolicyOptions, RoundPolicy
@@ -24,7 +24,7 @@ from blockspec.decoding.round import DENSE, Forwards, Prefilled, RoundInputs, Ro
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
 from blockspec.metrics import prefix_outcomes, survival, tau
-from blockspec.models.draft import DraftModel
+from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.models.target import TargetModel
 
 # Target features a row may buffer before the draft must absorb them (AR stretches of the adaptive policy).
@@ -62,13 +62,22 @@ class RoundObserver(Protocol):
         """After every round; requests[i]: the prompt index of batch row i."""
 
 
-def check_method(method: str, draft: DraftModel | None) -> None:
+def check_method(method: str, draft: AnyDraft | None) -> None:
     if method not in METHODS:
         raise BlockspecError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
     if method != "ar" and draft is None:
         raise BlockspecError(f"method {method!r} needs a draft model")
+    if draft is not None and method != "ar" and (method == "eagle3") != isinstance(draft, Eagle3Drafter):
+        raise BlockspecError(f"method {method!r} cannot run this draft (its method is {method_of(draft)})")
     if method == "dspark" and draft is not None and not draft.config.is_dspark:
         raise BlockspecError("method 'dspark' needs a draft with a Markov or confidence head")
+
+
+def method_of(draft: AnyDraft | None) -> str:
+    """The method a draft runs when none is named: its own."""
+    if draft is None:
+        return "ar"
+    return "eagle3" if isinstance(draft, Eagle3Drafter) else ("dspark" if draft.config.is_dspark else "dflash")
 
 
 def check_lengths(target: TargetModel, prompts: list[list[int]], params: list[SamplingParams]) -> None:
@@ -105,7 +114,7 @@ class GenerateOptions:
 
 @torch.inference_mode()
 def generate(target: TargetModel, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-             draft: DraftModel | None = None, method: str | None = None, rule: str = "rejection", *,
+             draft: AnyDraft | None = None, method: str | None = None, rule: str = "rejection", *,
              policy: RoundPolicy | PolicyOptions | None = None,
              options: GenerateOptions | None = None) -> GenerationOutput:
     """Generate for a batch of tokenised prompts.
@@ -117,7 +126,7 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     learning in), e.g. one shared by successive calls as a server would.
     options: compile, tokenizer, streaming and observers (`GenerateOptions`)."""
     options = options or GenerateOptions()
-    method = method or ("ar" if draft is None else ("dspark" if draft.config.is_dspark else "dflash"))
+    method = method or method_of(draft)
     check_method(method, draft)
     draft = None if method == "ar" else draft
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
@@ -171,7 +180,7 @@ class _Batch:
     captured: CapturedSteps | None   # the static steps' runner, owner of the caches (compile)
 
 
-def _start(target: TargetModel, draft: DraftModel | None, prompts: list[list[int]], params: list[SamplingParams],
+def _start(target: TargetModel, draft: AnyDraft | None, prompts: list[list[int]], params: list[SamplingParams],
            options: GenerateOptions) -> _Batch:
     """Allocate the caches for the whole generation and prefill every prompt."""
     width = draft.config.block_size + 1 if draft is not None else 1
@@ -179,6 +188,8 @@ def _start(target: TargetModel, draft: DraftModel | None, prompts: list[list[int
     # compile: speculative rounds (every round on CUDA) run as captured static steps
     # (decoding/captured.py); CPU AR keeps its tuned compiled decode step.
     compile = options.compile
+    if compile and isinstance(draft, Eagle3Drafter):
+        raise BlockspecError("compile (captured static steps) does not run EAGLE-3 chains yet; drop --compile")
     captured = (captured_steps(target, draft) if compile and (draft is not None or target.device.type == "cuda")
                 else None)
     if compile and captured is None:

@@ -22,30 +22,24 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from blockspec.config import temperature_band
-from blockspec.decoding.context import DraftContext
+from blockspec.decoding.context import AnyDraft, DraftContext
 from blockspec.decoding.logprobs import TokenLogprob, prompt_logprobs, row_logprobs
+from blockspec.decoding.proposal import ConfidenceMap, Proposal, chain_proposal, markov_drafts, proposal_of
 from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify
+from blockspec.models.chain_draft import Eagle3Cache, Eagle3Drafter
 from blockspec.models.draft import DraftModel
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.target import TargetModel
 
-# Maps a block's raw confidences [R, s] of slots first.. to the ones the policy plans with.
-ConfidenceMap = Callable[[torch.Tensor, int], torch.Tensor]
-
-
-@dataclass
-class Proposal:
-    tokens: torch.Tensor                 # [R, g] drafted tokens
-    probs: torch.Tensor | None           # [R, g, V] the exact distributions they were drawn from
-                                         # (None when every row is greedy: verification only compares tokens)
-    confidence: torch.Tensor | None      # [R, g] per-slot acceptance probability the policy plans with (DSpark)
-    raw_confidence: torch.Tensor | None = None   # [R, g] the confidence head's own output
+__all__ = ["AnyDraft", "ConfidenceMap", "Forwards", "PackedForwards", "Policy", "Prefilled", "Proposal",
+           "RoundInputs", "RoundOutcome", "WrappedForwards", "first_logprobs", "next_tokens", "pad_rows",
+           "padding_groups", "prefill", "propose", "speculative_round", "verify_and_commit"]
 
 
 # -- prefill ------------------------------------------------------------------------
@@ -77,7 +71,7 @@ class Prefilled:
 
 
 def prefill(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
-            draft: DraftModel | None = None, draft_cache: KVCache | None = None,
+            draft: AnyDraft | None = None, draft_cache: KVCache | None = None,
             prompt_tops: list[int] | None = None) -> Prefilled:
     """Run the prompts through the target (right-padded, in groups of similar length:
     `padding_groups`), seed the draft context, and sample each row's first token (the
@@ -98,7 +92,7 @@ def prefill(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampl
 
 
 def _prefill_rows(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
-                  draft: DraftModel | None, draft_cache: KVCache | None, prompt_tops: list[int]) -> Prefilled:
+                  draft: AnyDraft | None, draft_cache: KVCache | None, prompt_tops: list[int]) -> Prefilled:
     device = target.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
@@ -116,11 +110,23 @@ def _prefill_rows(target: TargetModel, cache: KVCache, prompts: list[list[int]],
     else:
         out = target(ids, cache, num_new=lengths, capture=capture, logits_at=(lengths - 1).unsqueeze(1))
         logits = out.logits
+    anchors = sample(sampler.adjusted(logits), sampler)[0][:, 0]
     if draft is not None:
         assert draft_cache is not None and out.features is not None
-        draft.append_context(draft_cache, out.features, lengths)
-    anchors = sample(sampler.adjusted(logits), sampler)[0][:, 0]
+        if isinstance(draft, Eagle3Drafter):   # EAGLE-3 pairs each position with the token after it
+            draft.append_context(draft_cache, out.features, lengths, next_tokens(ids, lengths, anchors))
+        else:
+            draft.append_context(draft_cache, out.features, lengths)
     return Prefilled(anchors, first_logprobs(logits, anchors, sampler), scored)
+
+
+def next_tokens(seq: torch.Tensor, counts: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The token committed after each of a row's first counts[r] positions: seq [R, W] holds
+    the tokens at the positions, last [R] the one after row r's final position. [R, W]
+    (past a row's count: zeros, never read)."""
+    out = torch.cat([seq[:, 1:], seq.new_zeros(seq.shape[0], 1)], dim=1)
+    out.scatter_(1, (counts - 1).clamp(min=0).unsqueeze(1), last.unsqueeze(1))
+    return out
 
 
 def first_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampler: RowSampler
@@ -129,52 +135,6 @@ def first_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampler: RowSampl
     if sampler.logprobs is None:
         return None
     return row_logprobs(logits, tokens.view(-1, 1), [1] * tokens.shape[0], sampler.logprobs)
-
-
-# -- propose ------------------------------------------------------------------------
-
-def _proposal(tokens: torch.Tensor, probs: torch.Tensor | None, raw: torch.Tensor | None,
-              confidence_map: ConfidenceMap | None) -> Proposal:
-    planned = raw if raw is None or confidence_map is None else confidence_map(raw, 0)
-    return Proposal(tokens, probs, planned, raw)
-
-
-def _markov_drafts(draft: DraftModel, target: TargetModel, slots: torch.Tensor, anchors: torch.Tensor,
-                   sampler: RowSampler, g: int, stop_below: float, confidence_map: ConfidenceMap | None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Semi-autoregressive drafting: slot k's logits depend on the token drafted at k-1.
-    Returns (tokens, probs, raw confidences when computed slot by slot for the early stop)."""
-    rows = anchors.shape[0]
-    early_stop = stop_below > 0
-    # lm_head in chunks of ~64 rows x slots: one GEMM when all slots are needed anyway,
-    # several when drafting may stop early (their logits are then never computed).
-    chunk = max(1, 64 // rows) if early_stop else g
-    head = draft.markov_head
-    assert head is not None
-    state = head.initial_state(rows, slots)
-    survival = torch.ones(rows, device=anchors.device)
-    terms = draft.confidence_terms(slots) if early_stop else None
-    prev_tok, toks, dists, confs = anchors, [], [], []
-    for k in range(g):
-        if k % chunk == 0:
-            base = target.lm_head(slots[:, k:k + chunk].to(target.dtype)).float()
-        logits_k, state = head.add_to(base[:, k % chunk], prev_tok, slots[:, k], state)
-        if sampler.all_greedy:  # no distribution needed: the greedy rule compares tokens only
-            tok = argmax_last(logits_k, keepdim=True)
-        else:
-            tok, dist = sample(logits_k.unsqueeze(1), sampler)
-            dists.append(dist)
-        if terms is not None:
-            conf = draft.confidence_from(terms[0][:, k:k + 1], terms[1], prev_tok.unsqueeze(1), first_slot=k)
-            confs.append(conf)
-            planned = conf if confidence_map is None else confidence_map(conf, k)
-            survival = survival * planned[:, 0]
-        prev_tok = tok[:, 0]
-        toks.append(tok)
-        if early_stop and k + 1 < g and bool((survival < stop_below).all()):
-            break
-    probs = torch.cat(dists, 1) if dists else None
-    return torch.cat(toks, 1), probs, torch.cat(confs, 1) if confs else None
 
 
 # -- verify and commit --------------------------------------------------------------
@@ -210,6 +170,11 @@ class Forwards:
         """`DraftModel.block_hidden`: [R, S] -> [R, S, H]."""
         return draft.block_hidden(block_ids, draft_cache, embed)
 
+    def draft_chain(self, draft: Eagle3Drafter, draft_cache: KVCache, sampler: RowSampler, g: int) -> Proposal:
+        """EAGLE-3's proposal: g chained one-token draft forwards (`proposal.chain_proposal`)."""
+        assert isinstance(draft_cache, Eagle3Cache)
+        return chain_proposal(draft, draft_cache, sampler, g)
+
     def width(self, drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> int:
         """Drafts per row the verify forward spans."""
         return drafts.shape[1]
@@ -232,7 +197,7 @@ class Forwards:
         """Keep anchor + accepted drafts; the bonus gets its KV when it is the next anchor."""
         cache.truncate(start + accepted + 1)
 
-    def propose(self, draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
+    def propose(self, draft: AnyDraft, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
                     sampler: RowSampler, block: int | None = None, stop_below: float = 0.0,
                     confidence_map: ConfidenceMap | None = None) -> Proposal:
         """One draft forward for the whole block, then sampling of g drafts.
@@ -244,11 +209,14 @@ class Forwards:
         carries both. stop_below (DSpark with a confidence head): stop drafting at the
         first slot where every row's prefix survival, as the policy computes it, is below
         it (the policy never admits such slots, so they need no logits); the proposal is
-        then shorter than g."""
+        then shorter than g. An EAGLE-3 draft proposes a chain of g drafts instead
+        (`draft_chain`; its context already ends with the anchor)."""
         cfg = draft.config
         g = cfg.num_drafts if block is None else block
         if not 1 <= g <= cfg.num_drafts:
             raise ValueError(f"a block of g drafts needs g in 1..{cfg.num_drafts} (the draft's num_drafts), got {g}")
+        if isinstance(draft, Eagle3Drafter):
+            return self.draft_chain(draft, draft_cache, sampler, g)
         block_ids = torch.full((anchors.shape[0], cfg.first_draft_slot + g), cfg.mask_token_id, dtype=torch.long,
                            device=anchors.device)
         block_ids[:, 0] = anchors
@@ -259,14 +227,14 @@ class Forwards:
             tokens, probs = (argmax_last(base), None) if sampler.all_greedy else sample(base, sampler)
             prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
             raw = draft.confidence(slots, prev) if draft.confidence_head is not None else None
-            return _proposal(tokens, probs, raw, confidence_map)
+            return proposal_of(tokens, probs, raw, confidence_map)
         early_stop = stop_below > 0 and draft.confidence_head is not None
-        tokens, probs, raw = _markov_drafts(draft, target, slots, anchors, sampler, g,
+        tokens, probs, raw = markov_drafts(draft, target, slots, anchors, sampler, g,
                                             stop_below if early_stop else 0.0, confidence_map)
         if raw is None and draft.confidence_head is not None:
             prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], dim=1)
             raw = draft.confidence(slots, prev)
-        return _proposal(tokens, probs, raw, confidence_map)
+        return proposal_of(tokens, probs, raw, confidence_map)
 
     def verify_and_commit(self, target: TargetModel, cache: KVCache, anchors: torch.Tensor,
                           proposal: Proposal | None, sampler: RowSampler, num_drafts: torch.Tensor | None = None,
@@ -318,6 +286,9 @@ class WrappedForwards(Forwards):
                     embed: nn.Embedding) -> torch.Tensor:
         return self.inner.draft_block(draft, block_ids, draft_cache, embed)
 
+    def draft_chain(self, draft: Eagle3Drafter, draft_cache: KVCache, sampler: RowSampler, g: int) -> Proposal:
+        return self.inner.draft_chain(draft, draft_cache, sampler, g)
+
     def width(self, drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> int:
         return self.inner.width(drafts, num_drafts)
 
@@ -337,7 +308,7 @@ class WrappedForwards(Forwards):
 DENSE = Forwards()
 
 
-def propose(draft: DraftModel, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
+def propose(draft: AnyDraft, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
             sampler: RowSampler, block: int | None = None, *, stop_below: float = 0.0,
             confidence_map: ConfidenceMap | None = None) -> Proposal:
     """`Forwards.propose` with dense eager forwards (profiling, tests)."""
@@ -404,7 +375,7 @@ class RoundInputs:
     """The running rows of a batch: models, caches, anchors and sampler (rows in cache order)."""
 
     target: TargetModel
-    draft: DraftModel | None
+    draft: AnyDraft | None
     cache: KVCache
     draft_cache: KVCache | None
     context: DraftContext | None
@@ -441,8 +412,13 @@ def speculative_round(batch: RoundInputs, policy: Policy, *, rule: str = "reject
     verdict, features = forwards.verify_and_commit(target, batch.cache, anchors, proposal, sampler, lens, capture,
                                                    rule)
     if features is not None:
-        assert batch.context is not None
-        batch.context.add(features, verdict.accepted + 1)
+        assert batch.context is not None and draft is not None
+        counts = verdict.accepted + 1
+        if isinstance(draft, Eagle3Drafter):   # EAGLE-3's context pairs each position with the token after it
+            seq = anchors.unsqueeze(1) if proposal is None else torch.cat([anchors.unsqueeze(1), proposal.tokens], 1)
+            batch.context.add(features, counts, next_tokens(seq[:, :features.shape[1]], counts, verdict.bonus))
+        else:
+            batch.context.add(features, counts)
     t_verified = time.perf_counter()
     accepted, bonus, drafted, verified = _outcome_lists(verdict, proposal, lens, r)
     raw = proposal.raw_confidence if proposal is not None else None

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
+from blockspec.decoding.context import AnyDraft
 from blockspec.decoding.cost_table import (DRAFT_SLOT_COUNTS, CostTable, ProfileOptions, dtype_name,
                                            machine_signature, model_signature, profile_cost_table)
 from blockspec.errors import BlockspecError
-from blockspec.models.draft import DraftModel
+from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.models.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,10 @@ def cache_dir() -> Path:
     return Path(base) / "blockspec"
 
 
-def draft_signature(draft: DraftModel) -> str:
+def draft_signature(draft: AnyDraft) -> str:
     """The draft's shape as far as its cost goes (not its weights)."""
+    if isinstance(draft, Eagle3Drafter):
+        return f"{draft.config.signature()} dtype={dtype_name(draft.dtype)}"
     c = draft.config
     markov = f"{c.markov_head_type}/{c.markov_rank}" if draft.markov_head is not None else None
     return (f"{c.layout} layers={c.num_hidden_layers} hidden={c.hidden_size} inter={c.intermediate_size} "
@@ -52,7 +55,7 @@ def draft_signature(draft: DraftModel) -> str:
             f"confidence={draft.confidence_head is not None} dtype={dtype_name(draft.dtype)}")
 
 
-def table_key(target: TargetModel, draft: DraftModel, rows: int) -> dict[str, str | int]:
+def table_key(target: TargetModel, draft: AnyDraft, rows: int) -> dict[str, str | int]:
     """Everything a cost table's timings depend on."""
     return {"machine": machine_signature(target.device), "device": str(target.device),
             "threads": torch.get_num_threads(), "target": model_signature(target),
@@ -69,7 +72,7 @@ def profile_points(rows: int, window: int) -> tuple[list[int], list[int]]:
     return sorted(ns), sorted(draft_rows)
 
 
-def cached_cost_table(target: TargetModel, draft: DraftModel, rows: int = 1, *, directory: Path | None = None,
+def cached_cost_table(target: TargetModel, draft: AnyDraft, rows: int = 1, *, directory: Path | None = None,
                       repeats: int = 5) -> CostTable:
     """The cost table for this machine, model pair and up to `rows` rows (rounded up to a
     power of two): from the cache,

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from blockspec.config import RULES, SamplingParams
+from blockspec.decoding.context import AnyDraft
 from blockspec.decoding.generate import check_method
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
 from blockspec.decoding.policy import PolicyOptions, RoundPolicy
@@ -34,7 +35,6 @@ from blockspec.engine.prefill_chunks import ChunkedPrefill, chunk_size
 from blockspec.engine.slots import SlotPool
 from blockspec.engine.stats import EngineStats
 from blockspec.errors import BlockspecError
-from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
 __all__ = ["Engine", "EngineOptions", "RequestHandle", "RequestOutput"]
@@ -100,12 +100,12 @@ def request_sampler(reqs: list[Any], target: TargetModel) -> RowSampler:
 class Engine:
     """Continuous-batching speculative decoding over a fixed KV slot pool.
 
-    method: "ar" | "dflash" | "dspark". policy: a `RoundPolicy` or the `PolicyOptions` to
+    method: "ar" | "dflash" | "dspark" | "eagle3". policy: a `RoundPolicy` or the `PolicyOptions` to
     build one from (`RoundPolicy.for_method`; default adaptive). Memory: rows = min(max_running,
     slots that fit the options' budget: `memory.plan_for_models`) of max_model_len positions.
     forwards: the round's strategy (`round.PackedForwards`; the bench and tests wrap it)."""
 
-    def __init__(self, target: TargetModel, draft: DraftModel | None = None, method: str = "ar", *,
+    def __init__(self, target: TargetModel, draft: AnyDraft | None = None, method: str = "ar", *,
                  max_running: int = 32, max_model_len: int | None = None, tokenizer: Detokenizer | None = None,
                  policy: RoundPolicy | PolicyOptions | None = None, options: EngineOptions | None = None) -> None:
         check_method(method, draft)

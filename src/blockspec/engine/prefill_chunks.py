@@ -35,7 +35,8 @@ from blockspec.engine.handles import RequestHandle
 from blockspec.engine.slots import SlotPool
 from blockspec.engine.stats import EngineStats
 from blockspec.errors import BlockspecError
-from blockspec.models.draft import DraftModel
+from blockspec.decoding.context import AnyDraft
+from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.models.target import TargetModel
 
 # Default chunk, in prompt tokens per engine step. CUDA: vLLM's and SGLang's default chunk
@@ -68,7 +69,7 @@ class ChunkedPrefill:
     engine admits through `admit`, runs `advance` once per step and, when it returns the
     finished request, moves it into the running rows with `release`."""
 
-    def __init__(self, target: TargetModel, draft: DraftModel | None, slots: SlotPool, stats: EngineStats,
+    def __init__(self, target: TargetModel, draft: AnyDraft | None, slots: SlotPool, stats: EngineStats,
                  chunk: int) -> None:
         self.target, self.draft, self.slots, self.stats = target, draft, slots, stats
         self.chunk = chunk
@@ -129,10 +130,6 @@ class ChunkedPrefill:
         out = self.target(torch.tensor([part], device=dev), view, capture=capture,
                           logits_at=torch.tensor([[len(part) - 1]], device=dev),
                           output="logits" if last else "hidden")   # earlier chunks need no lm_head
-        if self.draft is not None:
-            assert draft_view is not None and out.features is not None
-            self.draft.append_context(draft_view, out.features, len(part))
-        self.done += len(part)
         first = None
         if last:   # the request's own generator draws its first token, as a whole prefill does
             sampler = RowSampler.from_params([req.params], dev, [req.generator], [(req.prompt, [])],
@@ -140,6 +137,15 @@ class ChunkedPrefill:
             token = sample(sampler.adjusted(out.logits), sampler)[0][:, 0]
             logprobs = first_logprobs(out.logits, token, sampler)
             first = (int(token[0]), logprobs[0] if logprobs is not None else None)
+        if isinstance(self.draft, Eagle3Drafter):
+            # EAGLE-3 pairs each position with the token after it: the prompt's, then the first token.
+            after = req.prompt[self.done + 1:self.done + len(part) + 1] + ([first[0]] if first else [])
+            assert draft_view is not None and out.features is not None
+            self.draft.append_context(draft_view, out.features, len(part), torch.tensor([after], device=dev))
+        elif self.draft is not None:
+            assert draft_view is not None and out.features is not None
+            self.draft.append_context(draft_view, out.features, len(part))
+        self.done += len(part)
         self.stats.prefill(len(part), time.perf_counter() - t0)
         return None if first is None else (req, *first)
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.decoding.context import PendingContext
+from blockspec.decoding.context import AnyDraft, PendingContext
 from blockspec.engine.memory import MemoryPlan
-from blockspec.models.draft import DraftModel
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.target import TargetModel
 
@@ -25,7 +24,7 @@ class SlotPool:
     """`plan.slots` KV slots of `plan.max_model_len` positions (plus the block margin) for the
     target (and the draft): exactly the plan's bytes (`plan.slot_bytes` per slot)."""
 
-    def __init__(self, target: TargetModel, draft: DraftModel | None, plan: MemoryPlan) -> None:
+    def __init__(self, target: TargetModel, draft: AnyDraft | None, plan: MemoryPlan) -> None:
         self.target, self.draft, self.plan = target, draft, plan
         self.slot_capacity = plan.max_model_len + plan.shapes.margin
         self.pending_capacity = plan.shapes.pending_positions
@@ -62,14 +61,9 @@ class SlotPool:
         two rows' valid slots. Returns the swaps made, in order."""
         swaps = band_swaps(bands)
         for a, b in swaps:
-            ab, ba = [a, b], [b, a]
-            for cache in (self.cache, self.draft_cache):
-                if cache is None:
-                    continue
-                n = int(cache.lengths[ab].max())
-                cache.k[:, ab, :, :n] = cache.k[:, ba, :, :n]   # advanced indexing: the right side is a copy
-                cache.v[:, ab, :, :n] = cache.v[:, ba, :, :n]
-                cache.lengths[ab] = cache.lengths[ba]
+            self.cache.swap_rows(a, b)
+            if self.draft_cache is not None:
+                self.draft_cache.swap_rows(a, b)
             if self.pending is not None:
                 self.pending.swap(a, b)
         return swaps

@@ -156,7 +156,13 @@ class Eagle3Draft(nn.Module):
         out = self.append(cache, features, tokens, num_new, embed)
         rows = torch.arange(out.shape[0], device=out.device)
         last = torch.as_tensor(num_new, device=out.device).expand(out.shape[0]) - 1
-        hidden = out[rows, last]
+        return self.chain_from(cache, out[rows, last], k, embed, pick)
+
+    @torch.no_grad()
+    def chain_from(self, cache: KVCache, hidden: torch.Tensor, k: int, embed: nn.Embedding, pick: Pick | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`chain`'s drafting from each row's last committed output hidden [R, H]: k drafts
+        (the chained steps write K/V after the rows' lengths, which stay unchanged)."""
         drafts, dists = [], []
         for i in range(k):
             logits = self.draft_logits(hidden)

@@ -130,6 +130,14 @@ class KVCache:
         self.lengths[d] = self.lengths[s]
         self.lengths[s] = 0
 
+    def swap_rows(self, a: int, b: int) -> None:
+        """Exchange rows a and b (valid slots only)."""
+        ab, ba = [a, b], [b, a]
+        n = int(self.lengths[ab].max())
+        self.k[:, ab, :, :n] = self.k[:, ba, :, :n]   # advanced indexing: the right side is a copy
+        self.v[:, ab, :, :n] = self.v[:, ba, :, :n]
+        self.lengths[ab] = self.lengths[ba]
+
     def check_room_rows(self, counts: torch.Tensor) -> None:
         """Raise if appending counts[r] slots to any row r would overflow it."""
         need = int((self.lengths + counts).max()) if counts.numel() else 0

@@ -14,7 +14,7 @@ from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
 
-TRAIN_METHODS = (*DRAFT_METHODS, "eagle3")
+TRAIN_METHODS = DRAFT_METHODS
 
 
 @dataclass
