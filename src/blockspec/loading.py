@@ -33,7 +33,8 @@ import torch
 from blockspec import embedded
 from blockspec.config import DRAFT_METHODS, METHODS, GenerationDefaults
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import load_draft, load_target
+from blockspec.models.chain_draft import Eagle3Drafter
+from blockspec.models.checkpoint import load_draft, load_eagle3, load_target
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 from blockspec.models.tokenizer import Tokenizer
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 class LoadedModels:
     target: TargetModel
     tokenizer: Tokenizer
-    draft: DraftModel | None   # None for method "ar"
+    draft: DraftModel | Eagle3Drafter | None   # None for method "ar"
     method: str
     # The target checkpoint's generation_config.json sampling defaults (module docstring).
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
@@ -67,7 +68,8 @@ def load_models(target: str | Path | None = None, draft: str | Path | None = Non
     """Target, tokenizer and (for speculative methods) draft; None = the embedded models.
 
     `block_size` runs the draft with a shorter block than trained (a new draft value,
-    weights shared); it is ignored for method "ar". dtype / device / allow_nonfinite:
+    weights shared; for "eagle3": a chain of block_size - 1 drafts, any length); it is
+    ignored for method "ar". dtype / device / allow_nonfinite:
     see the module docstring. `chat_template` (`--chat-template`): a file, an inline
     template or a template name replacing the checkpoint's (models.chat_template).
     """
@@ -87,11 +89,14 @@ def load_models(target: str | Path | None = None, draft: str | Path | None = Non
 
 def load_drafts(target_model: TargetModel, drafts: Mapping[str, str | Path | None], kinds: Iterable[str],
                 dtype: str | torch.dtype | None = None, device: str | torch.device | None = None, *,
-                allow_nonfinite: bool = False) -> dict[str, DraftModel]:
-    """{draft kind: draft} for these draft kinds ("dflash" / "dspark"), checked against the target.
+                allow_nonfinite: bool = False) -> dict[str, DraftModel | Eagle3Drafter]:
+    """{draft kind: draft} for these draft kinds ("dflash" / "dspark" / "eagle3"), checked
+    against the target.
 
     `drafts` maps a kind to its directory; a missing or None entry loads the embedded
-    draft of that kind. dtype / device None: the target's.
+    draft of that kind (none is shipped for eagle3). dtype / device None: the target's.
+    An EAGLE-3 draft (LlamaForCausalLMEagle3, as vLLM and SGLang read it) comes paired with
+    the target, drafting chains of `config.DEFAULT_CHAIN_DRAFTS`.
     """
     needed = sorted(set(kinds))
     unknown = [k for k in needed if k not in DRAFT_METHODS]
@@ -100,10 +105,14 @@ def load_drafts(target_model: TargetModel, drafts: Mapping[str, str | Path | Non
     loaded = {}
     for kind in needed:
         directory = drafts.get(kind)
-        loaded[kind] = load_draft(Path(directory) if directory else embedded.default_draft(kind),
-                                  dtype=target_model.dtype if dtype in (None, "auto") else dtype,
-                                  device=target_model.device if device is None else device,
-                                  target=target_model, allow_nonfinite=allow_nonfinite)
+        path = Path(directory) if directory else embedded.default_draft(kind)
+        how = dict(dtype=target_model.dtype if dtype in (None, "auto") else dtype,
+                   device=target_model.device if device is None else device,
+                   target=target_model, allow_nonfinite=allow_nonfinite)
+        if kind == "eagle3":
+            loaded[kind] = Eagle3Drafter.pair(load_eagle3(path, **how), target_model)
+        else:
+            loaded[kind] = load_draft(path, **how)
     if "dspark" in loaded and not loaded["dspark"].config.is_dspark:
         raise BlockspecError("the dspark draft has neither a Markov nor a confidence head (is it a DFlash draft?)")
     return loaded

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from blockspec.errors import BlockspecError
-from blockspec.config import GenerationDefaults
+from blockspec.config import GenerationDefaults, SamplingParams
 from blockspec.serving.server import build_engine, resolve_speculation, warn_ignored
 from serving_harness import serve_args, write_models
 from test_api import _up, free_port, wait_for
@@ -115,3 +115,26 @@ def test_command_lines_start_the_server(dirs, line):
             proc.kill()
     err = proc.communicate()[1]
     assert "KV plan: 4 slots x 64 positions" in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(dirs, tmp_path_factory):
+    """An EAGLE-3 draft for the tiny target, written in the LlamaForCausalLMEagle3 layout."""
+    from blockspec.models.checkpoint import load_target, save_eagle3
+    from conftest import make_eagle3
+    path = tmp_path_factory.mktemp("eagle3") / "draft"
+    save_eagle3(make_eagle3(load_target(dirs[0], dtype="float32")), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("line", [
+    lambda t, d: [t, "--speculative-config", json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": 3}),
+                  "--max-model-len", "64", "--kv-memory-gb", "0.01"],
+    lambda t, d: ["--model-path", t, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", d,
+                  "--speculative-num-draft-tokens", "4", "--context-length", "64", "--kv-memory-gb", "0.01"],
+    lambda t, d: ["--target", t, "--draft", d, "--block-size", "4", "--max-model-len", "64", "--kv-memory-gb", "0.01"],
+], ids=["vllm", "sglang", "blockspec"])
+def test_eagle3_command_lines_build_a_chain_engine(dirs, eagle3_dir, line):
+    engine, _, _ = build_engine(serve_args(*line(dirs[0], eagle3_dir)))
+    assert (engine.method, engine.draft.config.num_drafts, engine.draft.config.block_size) == ("eagle3", 3, 4)
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].tokens

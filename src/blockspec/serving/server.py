@@ -10,13 +10,14 @@ works (an unsupported flag is named by argparse, exit 2):
 - prefill: `--prefill-chunk-tokens` / `--chunked-prefill-size` (SGLang; -1: off) /
   `--max-num-batched-tokens` (vLLM): longer prompts are prefilled that many tokens per
   step between the running requests' rounds (engine/prefill_chunks.py);
-- speculation: `--speculative-algorithm`, `--speculative-draft-model-path`,
+- speculation: `--speculative-algorithm` (DFLASH, DSPARK, EAGLE3), `--speculative-draft-model-path`,
   `--speculative-dflash-block-size`, `--speculative-dspark-block-size`,
   `--speculative-num-draft-tokens` and
   `--speculative-config '{"method": ..., "model": ..., "num_speculative_tokens": N}'`
   (keys that only tune vLLM's engine, SPEC_CONFIG_IGNORED, are accepted with a warning).
 Block sizes are in the draft's own convention (z-lab: includes the anchor);
-num_speculative_tokens counts drafts (z-lab block = N + 1, DeepSpec block = N);
+num_speculative_tokens counts drafts (z-lab block = N + 1, DeepSpec block = N, EAGLE-3: a
+chain of N);
 SGLang's speculative_num_draft_tokens counts the verified tokens including the
 anchor, as its EAGLE chains do (drafts = N - 1).
 """
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockspec.config import DRAFT_METHODS, DraftConfig, GenerationDefaults
+from blockspec.config import DRAFT_METHODS, EAGLE3_ARCHITECTURES, DraftConfig, GenerationDefaults, read_json
 from blockspec.decoding.policy import PolicyOptions
 from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.errors import BlockspecError
@@ -138,17 +139,22 @@ def resolve_speculation(args: argparse.Namespace) -> Speculation:
     if block is not None and num_drafts is not None:
         raise BlockspecError("give a block size or num_speculative_tokens / --speculative-num-draft-tokens, not both")
     if method == "ar" and (draft is not None or block is not None or num_drafts is not None):
-        raise BlockspecError("a draft / block size needs a speculative method (--method dflash or dspark)")
+        raise BlockspecError("a draft / block size needs a speculative method (--method dflash, dspark or eagle3)")
     return Speculation(method, draft, block, num_drafts)
 
 
 def draft_method(draft_dir: Path) -> str:
+    """The method a draft directory runs: eagle3 for a LlamaForCausalLMEagle3 config."""
+    raw = read_json(draft_dir / "config.json", "draft config")
+    if any(a in EAGLE3_ARCHITECTURES for a in raw.get("architectures") or []):
+        return "eagle3"
     return "dspark" if DraftConfig.load(draft_dir).is_dspark else "dflash"
 
 
 def block_for(layout: str, num_drafts: int) -> int:
-    """Block size giving `num_drafts` drafts per round: z-lab blocks include the anchor."""
-    return num_drafts + 1 if layout == "zlab" else num_drafts
+    """Block size giving `num_drafts` drafts per round: z-lab blocks and EAGLE-3 chains
+    (`ChainDraftConfig.block_size`) include the anchor."""
+    return num_drafts + 1 if layout in ("zlab", "eagle3") else num_drafts
 
 
 # -- building and running ---------------------------------------------------------------------
@@ -165,7 +171,7 @@ def build_engine(args: argparse.Namespace):
     spec = resolve_speculation(args)
     if args.cost_table and spec.method == "ar":
         raise BlockspecError("--cost-table prices speculative rounds: it needs a speculative method (--draft / "
-                             "--method dflash|dspark)")
+                             "--method dflash|dspark|eagle3)")
     # The policy's options, checked before the models load (a bad combination costs no load).
     policy = PolicyOptions(adapt=args.adapt, scheduled=args.scheduled, draft_gate=True if args.draft_gate else None,
                            cost_table=args.cost_table or None)   # read after the models load
@@ -295,7 +301,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-path", default=None, help="= --target (SGLang)")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="SGLang: tokens verified per round including the anchor (drafts = N - 1)")
-    g.add_argument("--speculative-algorithm", type=str.upper, choices=["DFLASH", "DSPARK"], default=None,
+    g.add_argument("--speculative-algorithm", type=str.upper, choices=["DFLASH", "DSPARK", "EAGLE3"], default=None,
                    help="= --method")
     g.add_argument("--speculative-draft-model-path", default=None, help="= --draft")
     g.add_argument("--speculative-dflash-block-size", type=int, default=None,
