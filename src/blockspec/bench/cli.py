@@ -30,13 +30,16 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `blockspec bench` on the CLI's subparsers (called from cli.build_parser)."""
-    p = subparsers.add_parser("bench", help="benchmark AR / transformers / DFlash / DSpark: tau, speed-up, "
+    p = subparsers.add_parser("bench", help="benchmark AR / transformers / DFlash / DSpark / EAGLE-3: tau, speed-up, "
                                             "calibration (JSON + Markdown + plots)")
     add_target_flag(p)
     p.add_argument("--dflash-draft", default=None,
                    help="DFlash draft directory (default: the embedded one, with the embedded target and no draft given)")
     p.add_argument("--dspark-draft", default=None,
                    help="DSpark draft directory (default: the embedded one, with the embedded target and no draft given)")
+    p.add_argument("--eagle3-draft", default=None,
+                   help="EAGLE-3 draft directory (LlamaForCausalLMEagle3 layout, as vLLM / SGLang read it; none is "
+                        "embedded)")
     p.add_argument("--datasets", type=_csv(str), default=["humaneval", "heldout"],
                    help="comma-separated: humaneval, heldout, heldout:CORPUS_DIR, PATH.jsonl")
     p.add_argument("--methods", type=_csv(str), default=None,

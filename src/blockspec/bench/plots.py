@@ -17,6 +17,7 @@ __all__ = [
     "plot_speedup_vs_block",
     "plot_throughput_vs_concurrency",
     "plot_reliability",
+    "plot_draft_time_vs_drafts",
 ]
 
 
@@ -147,5 +148,23 @@ def plot_reliability(reliability: list[dict], path: str | Path) -> Path:
     ax.set_ylabel("observed frequency of acceptance")
     ax.set_title("Reliability diagram")
     ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_draft_time_vs_drafts(curves: dict[str, tuple[list[int], list[float]]], path: str | Path) -> Path:
+    """Draft round time against the number of drafted tokens, one line per method: an
+    EAGLE-3 chain pays one draft forward per token, a DFlash block one forward for all."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m, (drafts, seconds) in curves.items():
+        if len(drafts) != len(seconds):
+            raise ValueError(f"method {m!r}: {len(seconds)} times for {len(drafts)} draft counts")
+        ax.plot(drafts, [1e3 * _nan(t) for t in seconds], marker="o", label=m)
+    ax.set_xlabel("drafted tokens per round")
+    ax.set_ylabel("t_draft per round (ms)")
+    ax.set_title("Draft time vs drafted tokens (batch 1)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
     ax.grid(alpha=0.3)
     return _save(fig, path)

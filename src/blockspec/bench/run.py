@@ -21,6 +21,7 @@ import torch
 
 from blockspec.bench.arms import METHODS, Arm, BenchSetup, build_arms, draft_kind
 from blockspec.bench.datasets import BenchPrompt, load_dataset
+from blockspec.bench.draft_cost import draft_time_report
 from blockspec.bench.measure import (ArmTotals, calibrates, collect_calibration, measure, throughput_vs_concurrency,
                                      warm_up)
 from blockspec.bench.quality import code_quality
@@ -281,7 +282,7 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
               options: BenchOptions | None = None) -> dict[str, Any]:
     """Benchmark every method on every dataset and temperature; write JSON, Markdown and PNGs.
 
-    drafts: {"dflash": DIR, "dspark": DIR} (either may be absent / None).
+    drafts: {"dflash": DIR, "dspark": DIR, "eagle3": DIR} (any may be absent / None).
     datasets: specs for `datasets.load_dataset`, or {name: [BenchPrompt]}.
     options: `BenchOptions`. Returns the results dict (also in out_dir/results.json)."""
     o = options or BenchOptions()
@@ -318,7 +319,8 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
         print(f"interrupted: partial results in {setup.out_dir / 'results.json'}", file=sys.stderr)
         raise
     conc, conc_plots = _concurrency(setup, next(iter(sets.values()))[1], o.concurrency, notes)
+    draft_time, draft_plots = draft_time_report(target, loaded, setup.out_dir)
     results = {"meta": _meta(setup, drafts, sets, limit, every, notes), "rows": rows, "concurrency": conc,
-               "plots": [str(p) for p in plot_files + conc_plots]}
+               "draft_time": draft_time, "plots": [str(p) for p in plot_files + conc_plots + draft_plots]}
     write_outputs(results, setup.out_dir)
     return results
