@@ -229,8 +229,30 @@ def test_round_recorder_sees_every_round_of_generate(kind, temperature):
 
 
 def test_draft_kind():
-    assert [draft_kind(m) for m in ("ar", "hf", "dflash", "dspark", "dspark-scheduled")] == \
-        [None, None, "dflash", "dspark", "dspark"]
+    assert [draft_kind(m) for m in ("ar", "hf", "dflash", "dspark", "dspark-scheduled", "eagle3")] == \
+        [None, None, "dflash", "dspark", "dspark", "eagle3"]
+
+
+def test_eagle3_side_by_side_with_draft_time_curves(models):
+    """`--methods ar,eagle3,dflash,dspark`: one row per method, and t_draft measured at every
+    drafted-token count of each draft (EAGLE-3 over the block drafts' range), with its plot."""
+    from blockspec.models.checkpoint import load_target, save_eagle3
+    from conftest import make_eagle3
+    target = load_target(models / "target", dtype="float32")
+    save_eagle3(make_eagle3(target), models / "eagle3")
+    out = models / "out_eagle3"
+    results = run_bench(models / "target", {**drafts_of(models), "eagle3": models / "eagle3"},
+                        [str(models / "prompts.jsonl")],
+                        options=BenchOptions(methods=["ar", "eagle3", "dflash", "dspark"], temperatures=[0.0],
+                                             max_new_tokens=MAX_NEW, limit=LIMIT, out_dir=out, ignore_eos=True,
+                                             policies=("fixed",), progress=False))
+    rows = {r["method"].split()[0]: r for r in results["rows"]}
+    assert set(rows) == {"ar", "eagle3", "dflash", "dspark"}
+    assert rows["eagle3"]["drafts"] == 7 and rows["eagle3"]["drafted"] == 1.0   # fixed: every round drafts
+    curves = results["draft_time"]
+    assert curves["eagle3"]["drafts"] == curves["dflash"]["drafts"] == [1, 2, 3]   # the widest block draft's range
+    assert all(t > 0 for c in curves.values() for t in c["t_draft_s"])
+    assert (out / "draft_time_vs_drafts.png").is_file() and str(out / "draft_time_vs_drafts.png") in results["plots"]
 
 
 def test_forced_acceptance_follows_the_pattern():

@@ -97,3 +97,20 @@ def test_profile_points_cover_every_round_width():
     ns, rows = profile_points(32, 15)
     assert ns[:16] == list(range(1, 17)) and ns[-1] == 512 and {32, 33, 64, 128, 256} <= set(ns)
     assert rows == [1, 2, 4, 8, 16, 32]
+
+
+def test_eagle3_chains_get_their_own_table_with_draft_times_growing_with_the_chain(fresh, monkeypatch):
+    """An EAGLE-3 round drafts k tokens with k one-token forwards: the table measures each
+    chain length (below the window) and the time grows with it; a chain of another length,
+    or a DFlash draft, never shares its table."""
+    from blockspec.models.chain_draft import Eagle3Drafter
+    from conftest import make_eagle3
+    target = make_target(layers=4)
+    chain = Eagle3Drafter.pair(make_eagle3(target), target, 7)
+    calls = count_profiles(monkeypatch)
+    table = cached_cost_table(target, chain, rows=1, repeats=3)
+    assert table.draft_window == 7 and table.draft_slot_counts == [1, 2, 3, 4, 6, 7]
+    assert table.draft_time(1, block=7) > 2.5 * table.draft_time(1, block=1)   # 7 draft forwards vs 1
+    cached_cost_table(target, chain.with_num_drafts(5), rows=1, repeats=1)
+    cached_cost_table(target, make_draft(target, "zlab", 8), rows=1, repeats=1)
+    assert len(calls) == 3 and "eagle3" in table.meta["key"]["draft"]
