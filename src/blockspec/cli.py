@@ -24,7 +24,7 @@ from blockspec.decoding.cost_table import ProfileOptions, profile_cost_table
 from blockspec.decoding.output import TextTracker
 from blockspec.errors import BlockspecError
 from blockspec.interop import ENGINES, EngineCompatibilityWarning, launch_line, mask_token_of
-from blockspec.loading import load_models
+from blockspec.loading import draft_method, load_drafts, load_models
 from blockspec.models.checkpoint import load_draft, load_target, save_draft
 from blockspec.options import (add_adapt_flag, add_chat_template_flag, add_dataclass_flags, add_dtype_flag, add_load_flags,
                                add_model_flags, add_rule_flag, add_target_flag, dataclass_from_args, load_options)
@@ -182,8 +182,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     draft = None
     if args.draft is not None:
         draft_dir = embedded.default_draft("dspark") if args.draft == "embedded" else Path(args.draft)
-        draft = load_draft(draft_dir, device=target.device, target=target,
-                           allow_nonfinite=opts["allow_nonfinite"])
+        kind = draft_method(draft_dir)   # an EAGLE-3 draft is timed as chains of each length
+        draft = load_drafts(target, {kind: draft_dir}, [kind], allow_nonfinite=opts["allow_nonfinite"])[kind]
     draft_rows = [int(x) for x in args.draft_rows.split(",")] if args.draft_rows else None
     options = ProfileOptions(repeats=args.repeats, rows=args.rows, context=args.context)
     table = profile_cost_table(target, ns, options, draft=draft, draft_rows=draft_rows,

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from blockspec import embedded
-from blockspec.config import DRAFT_METHODS, METHODS, GenerationDefaults
+from blockspec.config import DRAFT_METHODS, EAGLE3_ARCHITECTURES, METHODS, DraftConfig, GenerationDefaults, read_json
 from blockspec.errors import BlockspecError
 from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.models.checkpoint import load_draft, load_eagle3, load_target
@@ -85,6 +85,15 @@ def load_models(target: str | Path | None = None, draft: str | Path | None = Non
         if block_size:
             draft_model = draft_model.with_block_size(block_size)
     return LoadedModels(target_model, tokenizer, draft_model, method, load_generation_defaults(target_dir))
+
+
+def draft_method(draft_dir: Path) -> str:
+    """The method a draft directory runs: eagle3 for a LlamaForCausalLMEagle3 config, dspark
+    for a draft with a DSpark head, else dflash."""
+    raw = read_json(draft_dir / "config.json", "draft config")
+    if any(a in EAGLE3_ARCHITECTURES for a in raw.get("architectures") or []):
+        return "eagle3"
+    return "dspark" if DraftConfig.load(draft_dir).is_dspark else "dflash"
 
 
 def load_drafts(target_model: TargetModel, drafts: Mapping[str, str | Path | None], kinds: Iterable[str],

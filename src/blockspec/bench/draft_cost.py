@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from blockspec.bench.plots import plot_draft_time_vs_drafts
-from blockspec.decoding.context import AnyDraft
 from blockspec.decoding.cost_table import profile_draft
-from blockspec.models.chain_draft import Eagle3Drafter
+from blockspec.models.chain_draft import AnyDraft, Eagle3Drafter
 from blockspec.models.target import TargetModel
 
 # Chain lengths an EAGLE-3 draft is timed at when no block draft sets the range.

@@ -11,13 +11,10 @@ from typing import Protocol
 import torch
 
 from blockspec.errors import BlockspecError
-from blockspec.models.chain_draft import Eagle3Drafter
-from blockspec.models.draft import DraftModel
+from blockspec.models.chain_draft import AnyDraft
 from blockspec.models.kv_cache import KVCache
 
 
-# A draft the round runs: DFlash / DSpark (one block forward) or EAGLE-3 (a chain of one-token forwards).
-AnyDraft = DraftModel | Eagle3Drafter
 
 
 class DraftContext(Protocol):

@@ -22,11 +22,10 @@ from typing import Any
 import torch
 
 from blockspec.config import SamplingParams, read_json
-from blockspec.decoding.context import AnyDraft
 from blockspec.decoding.round import propose
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
-from blockspec.models.chain_draft import Eagle3Drafter
+from blockspec.models.chain_draft import AnyDraft, Eagle3Drafter
 from blockspec.models.target import TargetModel
 
 TABLE_FORMAT = "blockspec-cost-table"

@@ -16,7 +16,7 @@ import torch
 
 from blockspec.config import METHODS, SamplingParams
 from blockspec.decoding.captured import CapturedSteps, captured_steps
-from blockspec.decoding.context import AnyDraft, PendingContext
+from blockspec.decoding.context import PendingContext
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
 from blockspec.decoding.penalties import LogitAdjust
 from blockspec.decoding.policy import PolicyOptions, RoundPolicy
@@ -24,7 +24,7 @@ from blockspec.decoding.round import DENSE, Forwards, Prefilled, RoundInputs, Ro
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
 from blockspec.metrics import prefix_outcomes, survival, tau
-from blockspec.models.chain_draft import Eagle3Drafter
+from blockspec.models.chain_draft import AnyDraft, Eagle3Drafter
 from blockspec.models.target import TargetModel
 
 # Target features a row may buffer before the draft must absorb them (AR stretches of the adaptive policy).

@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 from blockspec.config import temperature_band
-from blockspec.decoding.context import AnyDraft, DraftContext
+from blockspec.decoding.context import DraftContext
 from blockspec.decoding.logprobs import TokenLogprob, prompt_logprobs, row_logprobs
 from blockspec.decoding.proposal import ConfidenceMap, Proposal, chain_proposal, markov_drafts, proposal_of
 from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify
-from blockspec.models.chain_draft import Eagle3Cache, Eagle3Drafter
+from blockspec.models.chain_draft import AnyDraft, Eagle3Cache, Eagle3Drafter
 from blockspec.models.draft import DraftModel
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.target import TargetModel

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
-from blockspec.decoding.context import AnyDraft
 from blockspec.decoding.cost_table import (DRAFT_SLOT_COUNTS, CostTable, ProfileOptions, dtype_name,
                                            machine_signature, model_signature, profile_cost_table)
 from blockspec.errors import BlockspecError
-from blockspec.models.chain_draft import Eagle3Drafter
+from blockspec.models.chain_draft import AnyDraft, Eagle3Drafter
 from blockspec.models.target import TargetModel
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,6 @@ from typing import Any, Callable
 import torch
 
 from blockspec.config import RULES, SamplingParams
-from blockspec.decoding.context import AnyDraft
 from blockspec.decoding.generate import check_method
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
 from blockspec.decoding.policy import PolicyOptions, RoundPolicy
@@ -35,6 +34,7 @@ from blockspec.engine.prefill_chunks import ChunkedPrefill, chunk_size
 from blockspec.engine.slots import SlotPool
 from blockspec.engine.stats import EngineStats
 from blockspec.errors import BlockspecError
+from blockspec.models.chain_draft import AnyDraft
 from blockspec.models.target import TargetModel
 
 __all__ = ["Engine", "EngineOptions", "RequestHandle", "RequestOutput"]

@@ -35,8 +35,7 @@ from blockspec.engine.handles import RequestHandle
 from blockspec.engine.slots import SlotPool
 from blockspec.engine.stats import EngineStats
 from blockspec.errors import BlockspecError
-from blockspec.decoding.context import AnyDraft
-from blockspec.models.chain_draft import Eagle3Drafter
+from blockspec.models.chain_draft import AnyDraft, Eagle3Drafter
 from blockspec.models.target import TargetModel
 
 # Default chunk, in prompt tokens per engine step. CUDA: vLLM's and SGLang's default chunk

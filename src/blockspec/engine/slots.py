@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.decoding.context import AnyDraft, PendingContext
+from blockspec.decoding.context import PendingContext
 from blockspec.engine.memory import MemoryPlan
+from blockspec.models.chain_draft import AnyDraft
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.target import TargetModel
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from blockspec.config import DEFAULT_CHAIN_DRAFTS, ChainDraftConfig
+from blockspec.models.draft import DraftModel
 from blockspec.models.eagle3 import Eagle3Draft, Pick
 from blockspec.models.kv_cache import KVCache
 
@@ -109,3 +110,7 @@ class Eagle3Drafter:
         """k chained drafts per row from its last committed position (`Eagle3Draft.chain_from`):
         (tokens [R, k], their distributions over the full vocabulary [R, k, V] or None)."""
         return self.model.chain_from(cache, cache.last, k, self.embed, pick)
+
+
+# A draft the round runs: DFlash / DSpark (one block forward) or EAGLE-3 (a chain of one-token forwards).
+AnyDraft = DraftModel | Eagle3Drafter

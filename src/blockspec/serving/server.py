@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockspec.config import DRAFT_METHODS, EAGLE3_ARCHITECTURES, DraftConfig, GenerationDefaults, read_json
+from blockspec.config import DRAFT_METHODS, GenerationDefaults
 from blockspec.decoding.policy import PolicyOptions
 from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.errors import BlockspecError
-from blockspec.loading import load_models
+from blockspec.loading import draft_method, load_models
 from blockspec.options import add_adapt_flag, add_model_flags, load_options
 from blockspec.serving.stats_log import INTERVAL_S as STATS_INTERVAL_S
 
@@ -141,14 +141,6 @@ def resolve_speculation(args: argparse.Namespace) -> Speculation:
     if method == "ar" and (draft is not None or block is not None or num_drafts is not None):
         raise BlockspecError("a draft / block size needs a speculative method (--method dflash, dspark or eagle3)")
     return Speculation(method, draft, block, num_drafts)
-
-
-def draft_method(draft_dir: Path) -> str:
-    """The method a draft directory runs: eagle3 for a LlamaForCausalLMEagle3 config."""
-    raw = read_json(draft_dir / "config.json", "draft config")
-    if any(a in EAGLE3_ARCHITECTURES for a in raw.get("architectures") or []):
-        return "eagle3"
-    return "dspark" if DraftConfig.load(draft_dir).is_dspark else "dflash"
 
 
 def block_for(layout: str, num_drafts: int) -> int:
