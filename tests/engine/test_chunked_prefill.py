@@ -20,7 +20,8 @@ from blockspec.engine.engine import Engine
 from blockspec.engine.prefill_chunks import DEFAULT_CHUNK, chunk_size
 from blockspec.errors import BlockspecError
 from blockspec.serving.server import add_serve_arguments
-from conftest import make_draft, make_target
+from blockspec.models.chain_draft import Eagle3Drafter
+from conftest import make_draft, make_eagle3, make_target
 
 LONG = [(7 * i + 3) % 60 + 1 for i in range(45)]     # 6 chunks of 8 (the last one 5 tokens)
 SHORT = [[5, 9, 2, 4], [11, 3]]
@@ -38,6 +39,8 @@ def engine_for(target, method: str, chunk: int, max_running: int = 3) -> Engine:
         draft = make_draft(target, "zlab", 4)
     elif method == "dspark":
         draft = make_draft(target, "deepspec", 4, markov_rank=4, markov_type="gated", confidence=True)
+    elif method == "eagle3":
+        draft = Eagle3Drafter.pair(make_eagle3(target), target, 3)
     return Engine(target, draft, method, max_running=max_running, max_model_len=80,
                   options=EngineOptions(prefill_chunk_tokens=chunk))
 
@@ -48,7 +51,7 @@ def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) 
     return [h.result().tokens for h in handles]
 
 
-@pytest.mark.parametrize("method", ["ar", "dflash", "dspark"])
+@pytest.mark.parametrize("method", ["ar", "dflash", "dspark", "eagle3"])
 def test_greedy_output_is_the_same_with_and_without_chunks(target64, method: str) -> None:
     prompts = [SHORT[0], LONG, SHORT[1], LONG[:20]]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (20, 15, 12, 10)]
@@ -94,12 +97,13 @@ def test_running_request_decodes_while_a_long_prompt_is_prefilled(target64, meth
     engine.run_until_done()
 
 
-@pytest.mark.parametrize("max_running,row", [(3, 1), (2, 1)])
-def test_joined_row_holds_the_whole_prompt_prefill(target64, max_running: int, row: int) -> None:
+@pytest.mark.parametrize("max_running,row,method", [(3, 1, "dflash"), (2, 1, "dflash"), (3, 1, "eagle3")])
+def test_joined_row_holds_the_whole_prompt_prefill(target64, max_running: int, row: int, method: str) -> None:
     """After the last chunk the request's target K/V and draft context (appended chunk by
     chunk) equal a whole-prompt prefill's, in the row after the running ones (moved from the
-    pool's last row, or already there)."""
-    engine = engine_for(target64, "dflash", CHUNK, max_running=max_running)
+    pool's last row, or already there); EAGLE-3's context pairs each chunk's last position
+    with the next chunk's first token, and the last one with the first generated token."""
+    engine = engine_for(target64, method, CHUNK, max_running=max_running)
     engine.submit(SHORT[0], SamplingParams(max_new_tokens=50, ignore_eos=True))
     engine.step()
     long = engine.submit(LONG, SamplingParams(max_new_tokens=5, ignore_eos=True))
@@ -115,6 +119,8 @@ def test_joined_row_holds_the_whole_prompt_prefill(target64, max_running: int, r
         assert int(pool.lengths[row]) == n
         assert torch.allclose(pool.k[:, row, :, :n], whole.k[:, 0, :, :n], atol=1e-10)
         assert torch.allclose(pool.v[:, row, :, :n], whole.v[:, 0, :, :n], atol=1e-10)
+    if method == "eagle3":   # where its next chain starts
+        assert torch.allclose(engine.slots.draft_cache.last[row], ctx.last[0], atol=1e-10)
     engine.run_until_done()
 
 
