@@ -343,8 +343,10 @@ def test_bench_uses_only_the_drafts_it_is_given(tmp_path):
     parser = argparse.ArgumentParser(prog="blockspec")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     given = _draft_dirs(parser.parse_args(["bench", "--target", "T", "--dflash-draft", "D"]))
-    assert given == {"dflash": Path("D"), "dspark": None}   # no embedded DSpark draft next to another target
-    assert _draft_dirs(parser.parse_args(["bench", "--target", "T"])) == {"dflash": None, "dspark": None}
+    assert given == {"dflash": Path("D"), "dspark": None, "eagle3": None}   # no embedded draft next to another target
+    assert _draft_dirs(parser.parse_args(["bench", "--target", "T"])) == {"dflash": None, "dspark": None,
+                                                                          "eagle3": None}
+    assert _draft_dirs(parser.parse_args(["bench", "--eagle3-draft", "E"]))["eagle3"] == Path("E")
     embedded_only = _draft_dirs(parser.parse_args(["bench"]))
     assert all(v is None or v.is_dir() for v in embedded_only.values())
 
