@@ -116,8 +116,12 @@ def check_draft(raw: dict[str, Any], tensors: dict[str, tuple[int, ...]] | None,
     for key in fmt["forbidden_keys"]:
         if _get(raw, key) is not None:
             bad(f"config.json has {key}, which {src} reads differently from blockspec")
-    if any(t != fmt["layer_types"] for t in raw.get("layer_types") or []):
-        bad(f"{src} needs every draft layer to be {fmt['layer_types']}, the config has {raw['layer_types']}")
+    allowed = fmt["layer_types"] if isinstance(fmt["layer_types"], list) else [fmt["layer_types"]]
+    if any(t not in allowed for t in cfg.layer_types):
+        bad(f"{src} needs every draft layer to be {' or '.join(allowed)}, the config has {list(cfg.layer_types)}")
+    elif cfg.is_windowed and not (raw.get("use_sliding_window") and raw.get("sliding_window") == cfg.sliding_window):
+        bad(f"{src} reads the window through transformers' Qwen3Config, which drops sliding_window "
+            "unless use_sliding_window is true")
     if fmt["heads"]:
         if cfg.markov_rank < fmt["markov_rank_min"]:
             bad(f"{src} requires a Markov head (markov_rank >= {fmt['markov_rank_min']}); this draft has none")
@@ -273,4 +277,7 @@ def launch_line(draft: str | Path, engine: str, target: str | Path | None = None
         if scheduled:
             notes.append("SGLang's use of the confidence head is set by its ragged-verification mode, "
                          "not by a launch flag recorded here")
-    return LaunchLine(argv, dict(fmt["env"]), notes, problems)
+    env = dict(fmt["env"])
+    if cfg.is_windowed and len(set(cfg.layer_types)) > 1:   # mixed sliding / full draft layers
+        env.update(fmt.get("mixed_layer_types_env", {}))
+    return LaunchLine(argv, env, notes, problems)

@@ -159,8 +159,8 @@ def test_config_traps_are_caught(tmp_path, target, key, value, engines):
         else:
             raw[key] = value
     raw, tensors = mutate(tmp_path, target, change)
-    if key == "layer_types":  # blockspec itself refuses sliding draft layers
-        with pytest.raises(BlockspecError, match="sliding-window"):
+    if key == "layer_types":  # sliding layers without a window: blockspec refuses them too
+        with pytest.raises(BlockspecError, match="need a window"):
             DraftConfig.from_dict(raw)
         return
     for engine in LOADERS:
@@ -182,3 +182,20 @@ def test_window_rules_and_sources_are_recorded_with_versions():
             # every source file a format cites is one of the engine's recorded files
             cited = [p.strip() for p in fmt["source"].split(" ", 2)[2].split(",")]
             assert set(cited) <= {f["path"] for f in files}
+
+
+@pytest.mark.parametrize("types, causal, broken_in", [
+    (("sliding_attention",), None, []),                                  # the engines' own reading
+    (("sliding_attention",), False, ["sglang"]),                         # SGLang ignores dflash_config.causal
+])
+def test_a_windowed_zlab_draft_is_what_both_engines_read(tmp_path, target, types, causal, broken_in):
+    draft = make_draft(target, "zlab", 4)
+    draft = DraftModel(dataclasses.replace(draft.config, layer_types=types, sliding_window=8, causal=causal)).eval()
+    raw, tensors, _ = saved(tmp_path, draft)
+    assert raw["use_sliding_window"] is True and raw["sliding_window"] == 8
+    assert raw["dflash_config"]["swa_window_size"] == 8 and raw["layer_types"] == list(types)
+    for engine in LOADERS:
+        assert (problems_of(raw, tensors, engine) != "") == (engine in broken_in), engine
+    raw.pop("use_sliding_window")   # transformers would drop the window: both engines fail to load it
+    for engine in LOADERS:
+        assert "use_sliding_window" in problems_of(raw, tensors, engine)

@@ -89,7 +89,8 @@ def _edit(path, fn):
     (lambda c: c.update(vocab_size=80), "vocab_size"),
     (lambda c: c["dflash_config"].update(target_layer_ids=[1, 9]), "target_layer_ids"),
     (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
-    (lambda c: c.update(layer_types=["sliding_attention"]), "sliding-window"),
+    (lambda c: c.update(layer_types=["sliding_attention"]), "need a window"),
+    (lambda c: c.update(layer_types=["sliding_attention"], sliding_window=0), "positive integer"),
     (lambda c: (c.pop("dflash_config"), c.pop("architectures")), "cannot tell the block layout"),
     (lambda c: c.update(block_size=1), "block_size"),
 ])

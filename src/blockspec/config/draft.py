@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from blockspec.config.common import positive_float, positive_int, read_json, require
+from blockspec.config.draft_attention import (DFLASH_ATTENTION_KEYS, DRAFT_LAYER_TYPES, FULL, SLIDING,
+                                              read_draft_attention)
 from blockspec.config.eagle3 import EAGLE3_ARCHITECTURES
 from blockspec.config.rope import RopeConfig
 from blockspec.config.target import TargetConfig
@@ -17,7 +19,8 @@ MARKOV_TYPES = ("vanilla", "gated", "rnn")
 # DSpark head keys: DeepSpec files put them at top level; SpecForge's DSpark export nests
 # them in dflash_config (its configs/qwen3-8b-dspark.json).
 DRAFT_HEAD_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
-_DFLASH_CONFIG_READ = {"mask_token_id", "target_layer_ids", "block_size", "mask_token", *DRAFT_HEAD_KEYS}
+_DFLASH_CONFIG_READ = {"mask_token_id", "target_layer_ids", "block_size", "mask_token", *DRAFT_HEAD_KEYS,
+                       *DFLASH_ATTENTION_KEYS}
 
 
 def _draft_heads(raw: dict[str, Any], dflash: dict[str, Any], where: str) -> dict[str, Any]:
@@ -72,6 +75,12 @@ class DraftConfig:
     # The mask token's string, written next to mask_token_id when known: SGLang checks it
     # against the tokenizer when the config names it (docs/serving.md, interop_engines.json).
     mask_token: str | None = None
+    # Sliding-window layers (docs/design.md section 3.2): one entry per layer ("full_attention" /
+    # "sliding_attention"; empty = all full), the window W (a query at position q sees keys
+    # j > q - W) and the causality override (None: sliding layers causal, full layers not).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    causal: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,6 +107,18 @@ class DraftConfig:
             positive_int("markov_rank", self.markov_rank, where)
         require(self.mask_token is None or (isinstance(self.mask_token, str) and self.mask_token != ""),
                  f"{where}: mask_token must be a non-empty string, got {self.mask_token!r}")
+        types = tuple(self.layer_types) or (FULL,) * self.num_hidden_layers
+        require(len(types) == self.num_hidden_layers and all(t in DRAFT_LAYER_TYPES for t in types),
+                 f"{where}: layer_types must hold {self.num_hidden_layers} entries of {DRAFT_LAYER_TYPES}, got {types!r}")
+        object.__setattr__(self, "layer_types", types)
+        if SLIDING in types:
+            require(isinstance(self.sliding_window, int) and not isinstance(self.sliding_window, bool)
+                     and self.sliding_window > 0,
+                     f"{where}: sliding_window must be a positive integer, got {self.sliding_window!r}")
+        else:
+            require(self.sliding_window is None,
+                     f"{where}: sliding_window {self.sliding_window!r} needs sliding_attention layers")
+        require(self.causal is None or isinstance(self.causal, bool), f"{where}: causal must be true, false or None")
         if self.confidence_temperatures is not None:
             require(len(self.confidence_temperatures) == self.num_drafts
                      and all(t > 0 for t in self.confidence_temperatures),
@@ -112,6 +133,18 @@ class DraftConfig:
     def first_draft_slot(self) -> int:
         """Block slot whose output predicts the first draft token."""
         return 1 if self.layout == "zlab" else 0
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's window (None: full attention)."""
+        return self.sliding_window if self.layer_types[i] == SLIDING else None
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether layer i's block attends causally (vLLM's and SGLang's rule)."""
+        return self.causal if self.causal is not None else self.layer_types[i] == SLIDING
+
+    @property
+    def is_windowed(self) -> bool:
+        return SLIDING in self.layer_types
 
     @property
     def is_dspark(self) -> bool:
@@ -161,10 +194,7 @@ class DraftConfig:
         mask_token = dflash.get("mask_token", raw.get("mask_token"))
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             require(key in raw, f"{where}: missing required key '{key}'")
-        layer_types = raw.get("layer_types") or []
-        require(all(t == "full_attention" for t in layer_types),
-                 f"{where}: sliding-window draft layers ({layer_types}) are not supported; "
-                 "only full_attention draft layers can run")
+        layer_types, window, causal = read_draft_attention(raw, dflash, raw["num_hidden_layers"], where)
         heads = raw["num_attention_heads"]
         known = {"architectures", "model_type", "block_size", "dflash_config", "num_target_layers",
                  "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -173,7 +203,8 @@ class DraftConfig:
                  "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
                  "confidence_temperatures", "blockspec_layout", "mask_token_id", "target_layer_ids",
                  "torch_dtype", "dtype", "layer_types", "sliding_window", "tie_word_embeddings", "hidden_act",
-                 "attention_bias", "mask_token"}
+                 "attention_bias", "mask_token",
+                 "use_sliding_window", "max_window_layers", "is_causal"}
         # dflash_config keys blockspec does not read are kept for the round trip (to_dict).
         dflash_rest = {k: v for k, v in dflash.items() if k not in _DFLASH_CONFIG_READ}
         require(raw.get("hidden_act", "silu") == "silu", f"{where}: only silu draft MLPs are supported")
@@ -192,6 +223,7 @@ class DraftConfig:
             confidence_head_with_markov=bool(True if dspark["confidence_head_with_markov"] is None
                                              else dspark["confidence_head_with_markov"]),
             confidence_temperatures=raw.get("confidence_temperatures"), mask_token=mask_token,
+            layer_types=layer_types, sliding_window=window, causal=causal,
             extra={**{k: v for k, v in raw.items() if k not in known},
                    **({"dflash_config": dflash_rest} if dflash_rest else {})},
         )
@@ -216,10 +248,19 @@ class DraftConfig:
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope.theta,
             "rope_scaling": self.rope.to_hf_scaling(), "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size, "layer_types": ["full_attention"] * self.num_hidden_layers,
-            "sliding_window": None, "tie_word_embeddings": False, "hidden_act": "silu",
+            "vocab_size": self.vocab_size, "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window, "tie_word_embeddings": False, "hidden_act": "silu",
             "attention_bias": False, "torch_dtype": "bfloat16",
         }
+        # The engines' spellings of the window: transformers' Qwen3Config (which vLLM and SGLang
+        # load) drops sliding_window unless use_sliding_window; vLLM reads swa_window_size first.
+        attention = {}
+        if self.is_windowed:
+            out["use_sliding_window"] = True
+            attention["swa_window_size"] = self.sliding_window
+        if self.causal is not None:
+            attention["causal"] = self.causal
+        out["dflash_config"].update(attention)
         if self.mask_token is not None:
             out["dflash_config"]["mask_token"] = self.mask_token
         if self.layout == "deepspec":
@@ -229,8 +270,8 @@ class DraftConfig:
                        target_layer_ids=self.target_layer_ids)
             if self.mask_token is not None:
                 out["mask_token"] = self.mask_token
-            if dflash_rest:
-                out["dflash_config"] = dflash_rest
+            if dflash_rest or attention:
+                out["dflash_config"] = {**dflash_rest, **attention}
         if self.layout == "deepspec" or self.is_dspark:
             out.update(markov_rank=self.markov_rank, markov_head_type=self.markov_head_type,
                        enable_confidence_head=self.enable_confidence_head,
