@@ -73,13 +73,15 @@ def make_target(seed: int = 0, dtype: torch.dtype = torch.float32, **kw) -> Targ
 
 def make_draft(target: TargetModel, layout: str = "zlab", block_size: int = 4, seed: int = 1,
                markov_rank: int = 0, markov_type: str = "vanilla", confidence: bool = False,
-               layers: int = 1, dtype: torch.dtype | None = None) -> DraftModel:
+               layers: int = 1, dtype: torch.dtype | None = None, **attention) -> DraftModel:
+    """A tiny random draft; `attention`: DraftConfig's layer_types / sliding_window / causal."""
     tc = target.config
     cfg = DraftConfig(layout=layout, block_size=block_size, mask_token_id=tc.vocab_size - 2,
                       target_layer_ids=tc.default_layer_ids(2), num_target_layers=tc.num_hidden_layers,
                       hidden_size=tc.hidden_size, intermediate_size=48, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=tc.vocab_size,
-                      markov_rank=markov_rank, markov_head_type=markov_type, enable_confidence_head=confidence)
+                      markov_rank=markov_rank, markov_head_type=markov_type, enable_confidence_head=confidence,
+                      **attention)
     torch.manual_seed(seed)
     draft = DraftModel(cfg)
     _larger_weights(draft)

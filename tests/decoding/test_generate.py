@@ -91,6 +91,24 @@ def test_oracle_drafts_long_runs_and_stop_inside_run(monkeypatch, target64, ar_r
     assert [c.tokens for c in out.completions] == [ref[:7] for ref in ar_reference]
 
 
+@pytest.mark.parametrize("layout, rank, kind, confidence", [DRAFTS[0], DRAFTS[2]])
+@pytest.mark.parametrize("types", [("sliding_attention",), ("full_attention", "sliding_attention")])
+def test_windowed_drafts_greedy_equals_ar(target64, ar_reference, layout, rank, kind, confidence, types):
+    """Issue 34: sliding-window drafts (a window of 3, so the ring wraps) are lossless, with
+    oracle runs (rollback after long accepted runs) and with their own random proposals."""
+    draft = make_draft(target64, layout, 4, markov_rank=rank, markov_type=kind, confidence=confidence,
+                       layers=len(types), layer_types=types, sliding_window=3)
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    out = generate(target64, PROMPTS, sp, draft=draft, policy=PolicyOptions(adapt=False))
+    assert [c.tokens for c in out.completions] == ar_reference
+    full = [p + a for p, a in zip(PROMPTS, ar_reference)]
+    oracle = GenerateOptions(forwards=lambda inner: OracleForwards(inner, full, corrupt_every=3))
+    out = generate(target64, PROMPTS, sp, draft=draft, policy=PolicyOptions(adapt=False), options=oracle)
+    assert [c.tokens for c in out.completions] == ar_reference and out.tau > 2.0
+    with pytest.raises(BlockspecError, match="sliding-window drafts"):
+        generate(target64, PROMPTS, sp, draft=draft, options=GenerateOptions(compile=True))
+
+
 def test_eos_stops_and_is_not_emitted(target64, ar_reference):
     eos = ar_reference[1][5]
     config = target64.config

@@ -38,7 +38,9 @@ SCHED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0])
 GATED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0], draft_rows=[1, 2, 3], draft_times_s=[2.0, 3.0, 3.0],
                         draft_slot_times={1: [0.01, 2.0, 2.5]}, draft_window=3)
 CONFIGS = ["ar", "dflash", "dspark", "dspark-scheduled", "dspark-gated", "dflash-gated", "dflash-auto", "dspark-auto",
-           "eagle3", "eagle3-auto"]
+           "eagle3", "eagle3-auto", "dflash-window", "dspark-window"]
+# Sliding-window drafts (issue 34): a window of 3 over prompts + outputs of up to 31 positions.
+WINDOWED = dict(layers=2, layer_types=("sliding_attention", "full_attention"), sliding_window=3)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,12 @@ def build(target, config: str, block_size: int = 4, max_running: int = 3, max_mo
         return Engine(target, draft, method, **kw)
     if config == "ar":
         return Engine(target, method="ar", policy=PolicyOptions(adapt=False), **kw)
+    if config == "dflash-window":
+        return Engine(target, make_draft(target, "zlab", block_size, **WINDOWED), "dflash",
+                      policy=PolicyOptions(adapt=False), **kw)
+    if config == "dspark-window":
+        draft = make_draft(target, "deepspec", block_size, markov_rank=4, confidence=True, **WINDOWED)
+        return Engine(target, draft, "dspark", policy=PolicyOptions(adapt=False), **kw)
     if config in ("dflash", "dflash-gated"):  # gated: full window, the gate learns from acceptance
         gate = (PolicyOptions(adapt=False, draft_gate=True, cost_table=GATED_TABLE, gate_feedback=False)
                 if config == "dflash-gated" else PolicyOptions(adapt=False))   # fixed windows unless gated

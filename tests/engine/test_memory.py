@@ -122,3 +122,28 @@ def test_cpu_default_budget_is_modest(monkeypatch):
     assert memory.memory_budget("cpu", None, 10.0, GIB)[0] == 10 * GIB
     plan = plan_kv(KVShapes.of(LLAMA31_8B, torch.bfloat16), memory.memory_budget("cpu", None, None, GIB)[0], 32)
     assert plan.total_bytes <= 2 * GIB and plan.max_model_len < 131072   # capped to what the budget holds
+
+
+@pytest.mark.parametrize("types", [("sliding_attention",) * 5, ("full_attention", "sliding_attention") * 2
+                                   + ("full_attention",)])
+def test_a_windowed_draft_counts_only_its_window(types):
+    """Issue 34: at 4k context a sliding layer holds window + block - 1 positions per slot, not
+    the whole context; the plan counts exactly what the pool allocates."""
+    model = meta_target(QWEN3_8B)
+    full_cfg = DraftConfig(layout="zlab", block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33],
+                           num_target_layers=36, hidden_size=4096, intermediate_size=12288, num_hidden_layers=5,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    cfg = DraftConfig(**{**full_cfg.__dict__, "layer_types": types, "sliding_window": 512})
+    full = KVShapes.of(QWEN3_8B, torch.bfloat16, full_cfg, torch.bfloat16)
+    windowed = KVShapes.of(QWEN3_8B, torch.bfloat16, cfg, torch.bfloat16)
+    length, sliding = 4096, types.count("sliding_attention")
+    per_layer_position = 2 * 8 * 128 * 2
+    positions = length + full.margin + full.pending_positions
+    saved = sliding * per_layer_position * (positions - cfg.window_span)
+    assert full.slot_bytes(length) - windowed.slot_bytes(length) == saved
+    with torch.device("meta"):
+        draft = DraftModel(cfg).to(torch.bfloat16)
+    plan = plan_kv(windowed, 60 * GIB, MAX_NUM_SEQS, length)
+    pool = SlotPool(model, draft, plan)
+    allocated = pool.cache.nbytes + pool.draft_cache.nbytes
+    assert allocated + plan.slots * windowed.pending_bytes == plan.total_bytes

@@ -147,6 +147,13 @@ class DraftConfig:
         return SLIDING in self.layer_types
 
     @property
+    def window_span(self) -> int:
+        """Positions a sliding layer keeps per row: its block's first query (the anchor at p)
+        sees context back to p - W + 1 and the block reaches p + block_size - 1."""
+        assert self.sliding_window is not None
+        return self.sliding_window + self.block_size - 1
+
+    @property
     def is_dspark(self) -> bool:
         return self.markov_rank > 0 or self.enable_confidence_head
 

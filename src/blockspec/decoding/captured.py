@@ -76,6 +76,9 @@ class CapturedSteps:
         mode = "eager" if not compile else mode or ("graphs" if cuda and not host_rope else "compile")
         if mode not in MODES or (mode == "graphs" and not cuda):
             raise BlockspecError(f"captured mode must be one of {', '.join(MODES)} (graphs: CUDA only), got {mode!r}")
+        if draft is not None and draft.config.is_windowed:
+            raise BlockspecError("captured (compiled) rounds do not run sliding-window drafts yet; "
+                                 "run them without compile")
         self.target, self.draft, self.compile, self.mode = target, draft, compile, mode
         self.cuda_graphs = cuda and mode != "eager"
         self.cache: KVCache | None = None          # the target's buffers (rows >= every batch using them)

@@ -51,7 +51,9 @@ def draft_signature(draft: AnyDraft) -> str:
     return (f"{c.layout} layers={c.num_hidden_layers} hidden={c.hidden_size} inter={c.intermediate_size} "
             f"heads={c.num_attention_heads}/{c.num_key_value_heads} head_dim={c.head_dim} block={c.block_size} "
             f"drafts={c.num_drafts} taps={list(c.target_layer_ids)} markov={markov} "
-            f"confidence={draft.confidence_head is not None} dtype={dtype_name(draft.dtype)}")
+            f"confidence={draft.confidence_head is not None} dtype={dtype_name(draft.dtype)}"
+            + (f" window={c.sliding_window} sliding={[t == 'sliding_attention' for t in c.layer_types]}"
+               if c.is_windowed else ""))
 
 
 def table_key(target: TargetModel, draft: AnyDraft, rows: int) -> dict[str, str | int]:

@@ -51,6 +51,7 @@ class KVShapes:
     pending_positions: int      # the draft cache's extra room for buffered context
     pending_bytes: int          # buffered target features per slot (float32)
     model_max_len: int          # the target's supported length (max_position_embeddings, RoPE scaling included)
+    draft_window_bytes: int = 0  # the draft's sliding layers: a fixed ring of window_span positions per slot
 
     @classmethod
     def of(cls, target: TargetConfig, target_dtype: torch.dtype, draft: DraftConfig | None = None,
@@ -62,15 +63,17 @@ class KVShapes:
             return cls(per_pos, 0, 2, 0, 0, model_len)
         # Buffered draft context: room for two rounds' tokens (rows flush before they draft).
         pending = max(32, 2 * (draft.block_size + 1))
-        draft_pos = cache_bytes(draft.num_hidden_layers, draft.num_key_value_heads, draft.head_dim,
-                                draft_dtype or target_dtype, 1)
+        sliding = sum(draft.layer_window(i) is not None for i in range(draft.num_hidden_layers))
+        dtype = draft_dtype or target_dtype
+        draft_pos = cache_bytes(draft.num_hidden_layers - sliding, draft.num_key_value_heads, draft.head_dim, dtype, 1)
+        ring = cache_bytes(sliding, draft.num_key_value_heads, draft.head_dim, dtype, draft.window_span) if sliding else 0
         return cls(per_pos, draft_pos, draft.block_size + 2, pending,
-                   pending * len(draft.target_layer_ids) * draft.hidden_size * 4, model_len)
+                   pending * len(draft.target_layer_ids) * draft.hidden_size * 4, model_len, ring)
 
     def slot_bytes(self, max_model_len: int) -> int:
         capacity = max_model_len + self.margin
         return (self.target_per_position * capacity + self.draft_per_position * (capacity + self.pending_positions)
-                + self.pending_bytes)
+                + self.pending_bytes + self.draft_window_bytes)
 
     def longest_fitting(self, budget: int) -> int:
         """The longest max_model_len one slot of which fits in `budget` bytes (may be < 1)."""

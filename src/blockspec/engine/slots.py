@@ -62,9 +62,9 @@ class SlotPool:
         two rows' valid slots. Returns the swaps made, in order."""
         swaps = band_swaps(bands)
         for a, b in swaps:
-            self.cache.swap_rows(a, b)
-            if self.draft_cache is not None:
-                self.draft_cache.swap_rows(a, b)
+            for cache in (self.cache, self.draft_cache):
+                if cache is not None:
+                    cache.swap_rows(a, b)
             if self.pending is not None:
                 self.pending.swap(a, b)
         return swaps

@@ -142,6 +142,22 @@ def limit_mask(first_limit: torch.Tensor, q_len: int, kv_len: int, causal: bool)
     return KeyMask(dense=dense_limit_mask(first_limit, q_len, kv_len, causal))
 
 
+def band_mask(key_pos: torch.Tensor, first: torch.Tensor, width: int, window: int | None,
+              causal: bool) -> KeyMask:
+    """A draft block of `width` queries at positions first[r] + t over keys at positions
+    key_pos [R or 1, K] (negative: an empty slot): query q sees key position j when
+    0 <= j < first[r] + width, j > q - window (a sliding layer; None: no window) and j <= q
+    when `causal` (docs/design.md section 3.2). A dense [R, 1, T, K] mask."""
+    q = (first.view(-1, 1) + torch.arange(width, device=first.device)).unsqueeze(-1)   # [R, T, 1]
+    j = key_pos.unsqueeze(1)                                                           # [R, 1, K]
+    seen = (j >= 0) & (j < first.view(-1, 1, 1) + width)
+    if window is not None:
+        seen = seen & (j > q - window)
+    if causal:
+        seen = seen & (j <= q)
+    return KeyMask(dense=seen.unsqueeze(1))
+
+
 def append_mask(lengths: torch.Tensor, width: int, upto: int, fresh: bool) -> KeyMask:
     """Keys of `width` tokens appended causally after rows of `lengths` [R]: query t of row r
     sees slots <= lengths[r] + t of [0, upto). fresh (every row was empty): the block attends

@@ -19,11 +19,14 @@ from torch import nn
 
 from blockspec.config import DraftConfig
 from blockspec.errors import BlockspecError
-from blockspec.models.attention import ALL_KEYS, KeyMask, limit_mask
+from blockspec.models.attention import ALL_KEYS, KeyMask, band_mask, limit_mask
 from blockspec.models.heads import ConfidenceHead, MarkovHead
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.layers import (Attention, AttentionShape, CacheAccess, FusedLinears, Linear, RMSNorm,
                                      RotaryEmbedding, SwiGLU)
+from blockspec.models.window_cache import WindowedKVCache
+
+DraftCache = KVCache | WindowedKVCache
 
 
 class DraftLayer(nn.Module):
@@ -99,8 +102,13 @@ class DraftModel(nn.Module):
         new.config = cfg
         return new
 
-    def new_cache(self, rows: int, capacity: int) -> KVCache:
+    def new_cache(self, rows: int, capacity: int) -> DraftCache:
+        """The draft context's cache; sliding layers keep only their window (window_cache.py)."""
         cfg = self.config
+        if cfg.is_windowed:
+            ring = tuple(cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers))
+            return WindowedKVCache(ring, rows, cfg.num_key_value_heads, cfg.head_dim, capacity, cfg.window_span,
+                                   self.dtype, self.fc.weight.device)
         return KVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, cfg.head_dim, capacity,
                        self.dtype, self.fc.weight.device)
 
@@ -123,37 +131,65 @@ class DraftModel(nn.Module):
                 out.append(layer.self_attn.project_kv(ctx, cos, sin))
         return out
 
-    def append_context(self, cache: KVCache, features: torch.Tensor, num_new: torch.Tensor | int) -> None:
+    def append_context(self, cache: DraftCache, features: torch.Tensor, num_new: torch.Tensor | int) -> None:
         """Write K/V for the next features.shape[1] positions of every row; rows advance by num_new."""
         width = features.shape[1]
         cache.check_room(width)
         slots = cache.positions(width)
+        counts = torch.as_tensor(num_new, device=slots.device).expand(slots.shape[0])
         for i, (k, v) in enumerate(self.context_kv(features, slots)):
-            cache.write(i, k, v, slots)
+            cache.write(i, k, v, slots, counts)
         cache.advance(num_new)
 
     # -- block ------------------------------------------------------------------
-    def block_hidden(self, block_ids: torch.Tensor, cache: KVCache, embed: nn.Embedding) -> torch.Tensor:
+    def block_hidden(self, block_ids: torch.Tensor, cache: DraftCache, embed: nn.Embedding) -> torch.Tensor:
         """block_ids [B, S] at positions cache.lengths.. -> normed hidden states [B, S, H]."""
         b, s = block_ids.shape
         upto = cache.check_room(s) + s
         slots = cache.positions(s)
-        # Non-causal block: the only constraint is each row's key length (context + block),
-        # a [B, 1, 1, K] mask or a flex block mask (attention.py); one row sees every key.
-        mask = ALL_KEYS if b == 1 else limit_mask(cache.lengths + s, s, upto, causal=False)
+        masks = self._block_masks(cache, s, upto)
         h = embed(block_ids).to(self.dtype)
         cos, sin = self.rotary(slots, h.dtype)
         kv = CacheAccess(cache, slots, upto)
-        for layer in self.layers:
+        for layer, mask in zip(self.layers, masks):
             h = layer(h, cos, sin, mask, kv)
         return self.norm(h)
 
+    def _block_masks(self, cache: DraftCache, width: int, upto: int) -> list[KeyMask]:
+        """Each layer's mask for a block of `width` after each row's context. A full, non-causal
+        layer's only constraint is each row's key length (context + block): a [B, 1, 1, K] mask
+        or a flex block mask (attention.py; one row sees every key). A sliding or causal layer
+        gets the dense band of `band_mask`, over its ring's positions when it keeps one; a
+        window no key can leave (upto <= W) is no constraint, so a window covering the whole
+        context gives the full layer's mask, bit for bit."""
+        cfg = self.config
+        lengths = cache.lengths
+        plain = ALL_KEYS if lengths.shape[0] == 1 else limit_mask(lengths + width, width, upto, causal=False)
+        masks: dict[tuple, KeyMask] = {}
+        out = []
+        for i in range(cfg.num_hidden_layers):
+            window, causal = cfg.layer_window(i), cfg.layer_causal(i)
+            ring = isinstance(cache, WindowedKVCache) and cache.is_ring(i)
+            if window is not None and upto <= window:
+                window = None
+            key = (window, causal, ring)
+            if key not in masks:
+                if window is None and not causal:
+                    masks[key] = plain
+                else:
+                    pos = (cache.key_positions(lengths + width - 1, upto) if ring
+                           else torch.arange(upto, device=lengths.device).unsqueeze(0))
+                    masks[key] = band_mask(pos, lengths, width, window, causal)
+            out.append(masks[key])
+        return out
+
     def forward(self, features: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor,
-                       mask: torch.Tensor, embed: nn.Embedding, checkpoint_layers: bool = False,
+                       mask: torch.Tensor | list[torch.Tensor], embed: nn.Embedding, checkpoint_layers: bool = False,
                        context_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Training forward (packed): context of every position [B, T] plus many blocks at once.
 
-        block_ids / block_positions [B, N]; mask [B, 1, N, T + N] (True = may attend).
+        block_ids / block_positions [B, N]; mask [B, 1, N, T + N] (True = may attend), or one
+        per layer (a draft with sliding layers).
         `checkpoint_layers`: keep only each layer's input and recompute the layer in backward
         (activation checkpointing: less memory for one more layer forward).
         `context_positions` [B, T]: the context's RoPE positions (default 0..T-1; packed rows
@@ -165,11 +201,12 @@ class DraftModel(nn.Module):
         context = self.context_kv(features, ctx_pos, fused=False)
         h = embed(block_ids).to(self.dtype)
         cos, sin = self.rotary(block_positions, h.dtype)
-        for layer, ctx in zip(self.layers, context):
+        masks = mask if isinstance(mask, list) else [mask] * len(self.layers)
+        for layer, ctx, m in zip(self.layers, context, masks):
             if checkpoint_layers and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, context=ctx, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, m, context=ctx, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, mask, context=ctx)
+                h = layer(h, cos, sin, m, context=ctx)
         return self.norm(h)
 
     # -- heads ------------------------------------------------------------------

@@ -61,8 +61,11 @@ class KVCache:
         """Slots / RoPE positions of the next `width` tokens of every row, [rows, width]."""
         return self.lengths.unsqueeze(1) + torch.arange(width, device=self.lengths.device)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v [rows, Hkv, T, D] written at slots [rows, T] of each row."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              counts: torch.Tensor | None = None) -> None:
+        """k, v [rows, Hkv, T, D] written at slots [rows, T] of each row. (`counts`, the real
+        columns of each row, matters only to a ring (`WindowedKVCache`): here a slot past a
+        row's length stays masked until overwritten.)"""
         if torch.compiler.is_compiling():
             # Index the whole buffer, not a per-layer view: a traced write into a view
             # becomes a copy of the entire cache, a write into the buffer stays in place.
@@ -131,7 +134,7 @@ class KVCache:
         self.lengths[s] = 0
 
     def swap_rows(self, a: int, b: int) -> None:
-        """Exchange rows a and b (valid slots only)."""
+        """Exchange rows a and b (their valid slots and lengths)."""
         ab, ba = [a, b], [b, a]
         n = int(self.lengths[ab].max())
         self.k[:, ab, :, :n] = self.k[:, ba, :, :n]   # advanced indexing: the right side is a copy
