@@ -244,3 +244,40 @@ def test_evaluation_sees_the_weights_as_trained(setup):
     fresh.load_state_dict(draft.state_dict())
     assert after == evaluate_acceptance(fresh, target, examples, 12)
     assert after != before
+
+
+def test_a_sliding_window_draft_trains_saves_and_loads(setup):
+    """Issue 34: --draft-sliding-window / --draft-layer-types train a windowed draft (the mask of
+    training/anchors.layer_masks), which learns, is saved with the window in the engines'
+    spellings and loads back windowed; a full draft fine-tunes into a window (--init-from)."""
+    out = setup / "out-window"
+    cfg = TrainConfig(method="dflash", target=str(setup / "target"), data=str(setup / "data.jsonl"), out=str(out),
+                      block_size=4, num_layers=2, num_anchors=8, batch_size=4, max_steps=30, lr=3e-3,
+                      eval_every=30, eval_examples=4, eval_new_tokens=8, threads=1, draft_sliding_window=4,
+                      draft_layer_types="sliding_attention,full_attention")
+    train(cfg)
+    ce = curve(out, "ce")
+    assert mean(ce[-5:]) < 0.6 * mean(ce[:5])
+    raw = json.loads((out / "draft" / "config.json").read_text())
+    assert raw["layer_types"] == ["sliding_attention", "full_attention"] and raw["sliding_window"] == 4
+    assert raw["use_sliding_window"] is True and raw["dflash_config"]["swa_window_size"] == 4
+    draft = load_draft(out / "draft", target=load_target(setup / "target"))
+    assert draft.config.layer_window(0) == 4 and draft.config.layer_causal(0)
+    again = TrainConfig(**{**cfg.__dict__, "out": str(setup / "out-window2"), "init_from": str(out / "draft"),
+                           "draft_layer_types": "", "draft_sliding_window": 2, "max_steps": 2})
+    train(again)
+    assert load_draft(setup / "out-window2" / "draft").config.layer_types == ("sliding_attention",) * 2
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(draft_sliding_window=-1), "must be > 0"),
+    (dict(draft_layer_types="sliding_attention"), "need --draft-sliding-window"),
+    (dict(draft_sliding_window=8, draft_layer_types="full_attention"), "needs sliding_attention"),
+    (dict(draft_sliding_window=8, draft_layer_types="sliding_attention,full_attention"), "lists 2 layers"),
+    (dict(draft_sliding_window=8, draft_layer_types="local_attention"), "entries must be"),
+])
+def test_bad_window_flags_are_one_line_errors(setup, change, message):
+    cfg = TrainConfig(method="dflash", target=str(setup / "target"), data=str(setup / "data.jsonl"),
+                      out=str(setup / "out-bad"), block_size=4, num_layers=1, max_steps=1, threads=1, **change)
+    with pytest.raises(BlockspecError, match=message):
+        train(cfg)

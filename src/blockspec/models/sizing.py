@@ -148,7 +148,7 @@ def target_size(cfg: TargetConfig) -> ModelSize:
 
 
 def draft_size(cfg: DraftConfig) -> ModelSize:
-    one = build_on_meta(lambda: DraftModel(replace(cfg, num_hidden_layers=1)))
+    one = build_on_meta(lambda: DraftModel(replace(cfg, num_hidden_layers=1, layer_types=(), sliding_window=None)))
     return _split({k: tuple(v.shape) for k, v in one.state_dict().items()}, cfg.num_hidden_layers)
 
 

@@ -4,6 +4,11 @@ All blocks of a sequence run in one draft forward. Keys are
 [context positions 0..T-1 | all block slots]; the block of anchor a sees
 context keys j < a (the anchor's own target state does not exist at
 inference time) and every slot of its own block, nothing else.
+
+A draft with sliding-window or causal layers (docs/design.md section 3.2) narrows that
+mask per layer exactly as inference does: slot u of the block at anchor a (position
+a + u) sees the keys at positions > a + u - W, and with a causal layer only its own
+block's slots <= u.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ class PackedBlocks:
     valid: torch.Tensor        # [B, A] bool: real anchor or padding
     block_ids: torch.Tensor    # [B, A*S] [anchor token, MASK...] per block
     positions: torch.Tensor    # [B, A*S] a, a+1, ..., a+S-1
-    mask: torch.Tensor         # [B, 1, A*S, T + A*S] True = may attend
+    mask: torch.Tensor | list[torch.Tensor]   # [B, 1, A*S, T + A*S] True = may attend; one per layer
+                                              # when a layer slides or is causal (`layer_masks`)
 
 
 def sample_anchors(loss_mask: torch.Tensor, span: int, num_anchors: int,
@@ -68,11 +74,39 @@ def sample_packed_anchors(loss_mask: torch.Tensor, segments: list[list[tuple[int
     return anchors, valid
 
 
+def layer_masks(mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                layers: tuple[tuple[int | None, bool], ...]) -> torch.Tensor | list[torch.Tensor]:
+    """The packed mask [B, 1, N, T + N] narrowed for each layer's (window, causal): query slot u
+    of anchor a sees a key at position k only when k > a + u - window and, causal, k <= a + u
+    (context key j sits at j, slot v of anchor a' at a' + v). Layers that are full and
+    non-causal share `mask`; a list only when some layer is not."""
+    if all(window is None and not causal for window, causal in layers):
+        return mask
+    b, _, n, keys = mask.shape
+    t = keys - n
+    dev = mask.device
+    q_pos = (anchors.unsqueeze(-1) + torch.arange(block_size, device=dev)).reshape(b, n, 1)
+    k_pos = torch.cat([torch.arange(t, device=dev).expand(b, t), q_pos.view(b, n)], dim=1).unsqueeze(1)
+    narrowed: dict[tuple[int | None, bool], torch.Tensor] = {}
+    for kind in set(layers):
+        window, causal = kind
+        band = torch.ones(b, n, keys, dtype=torch.bool, device=dev)
+        if window is not None:
+            band &= k_pos > q_pos - window
+        if causal:
+            band &= k_pos <= q_pos
+        # (a padded query's own slot, its only key, sits at its own position: always kept)
+        narrowed[kind] = mask & band.unsqueeze(1)
+    return [narrowed[kind] for kind in layers]
+
+
 def pack_blocks(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
-                mask_token_id: int, seg_start: torch.Tensor | None = None) -> PackedBlocks:
+                mask_token_id: int, seg_start: torch.Tensor | None = None,
+                layers: tuple[tuple[int | None, bool], ...] = ()) -> PackedBlocks:
     """Built on the inputs' device (on a GPU the [B, 1, A*S, T+A*S] mask never crosses PCIe).
     `seg_start` [B, T] (packed rows): the index each token's sequence starts at; a block then
-    sees only its own sequence's context and is positioned from that sequence's start."""
+    sees only its own sequence's context and is positioned from that sequence's start.
+    `layers`: each draft layer's (window, causal) (`layer_masks`); empty: all full."""
     b, t = input_ids.shape
     a = anchors.shape[1]
     s = block_size
@@ -96,5 +130,6 @@ def pack_blocks(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Ten
     diag = torch.zeros(a * s, t + a * s, dtype=torch.bool, device=dev)
     rows = torch.arange(a * s, device=dev)
     diag[rows, t + rows] = True
-    mask = mask | (~q_valid.unsqueeze(-1) & diag)
-    return PackedBlocks(anchors, valid, block_ids.reshape(b, a * s), positions, mask.unsqueeze(1))
+    mask = (mask | (~q_valid.unsqueeze(-1) & diag)).unsqueeze(1)
+    return PackedBlocks(anchors, valid, block_ids.reshape(b, a * s), positions,
+                        layer_masks(mask, anchors, s, layers))

@@ -91,7 +91,8 @@ def prepare(target: TargetModel, draft: DraftModel, ids: torch.Tensor, loss_mask
         out = target(ids, capture=capture, output="features", **extra)
     assert out.features is not None
     packed = pack_blocks(ids, anchors, valid, cfg.block_size, cfg.mask_token_id,
-                         None if packed_rows is None else packed_rows.seg_start)
+                         None if packed_rows is None else packed_rows.seg_start,
+                         tuple((cfg.layer_window(i), cfg.layer_causal(i)) for i in range(cfg.num_hidden_layers)))
     sel = valid.flatten().nonzero().flatten()
     if sel.numel() == 0:   # no trainable block: one zero-weight block keeps every parameter in the graph
         sel = torch.zeros(1, dtype=torch.long, device=ids.device)

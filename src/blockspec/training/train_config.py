@@ -4,11 +4,11 @@ draft's config, the warm start from the target, the LR schedule and the time bud
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from blockspec.config import DRAFT_METHODS, DraftConfig, Eagle3Config, default_aux_layer_ids
+from blockspec.config import DRAFT_LAYER_TYPES, DRAFT_METHODS, DraftConfig, Eagle3Config, default_aux_layer_ids
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
@@ -29,6 +29,8 @@ class TrainConfig:
     intermediate_size: int = 0          # 0 = the target's
     num_heads: int = 0                  # 0 = the target's
     num_kv_heads: int = 0               # 0 = the target's
+    draft_sliding_window: int = 0       # > 0: draft layers attend to the last W positions (sliding_attention)
+    draft_layer_types: str = ""         # per layer "sliding_attention,full_attention,..."; "" = all sliding with a window
     target_layer_ids: str = ""          # "1,5" ; empty = design default for num_layers
     ttt_steps: int = 7                  # eagle3: unrolled training-time-test steps (and drafts per evaluated round)
     draft_vocab_size: int = 32000       # eagle3: draft vocabulary (most frequent trained tokens, <= the target's)
@@ -88,6 +90,10 @@ class TrainConfig:
                 raise BlockspecError("train: ttt_steps and draft_vocab_size must be > 0")
             if self.mask_token_id != -1:
                 raise BlockspecError("train: --mask-token-id does not apply to EAGLE-3 drafts")
+        if self.draft_sliding_window < 0:
+            raise BlockspecError("train: --draft-sliding-window must be > 0 (0: no window)")
+        if self.method == "eagle3" and (self.draft_sliding_window or self.draft_layer_types):
+            raise BlockspecError("train: sliding-window layers are for DFlash / DSpark drafts, not EAGLE-3")
         if not 0 < self.lr < 1:
             raise BlockspecError("train: lr must be in (0, 1)")
         for name in ("time_budget_s", "ce_chunk", "halt_at_step"):
@@ -121,6 +127,26 @@ def distinct_layer_ids(layers: int, wanted: int, design: list[int]) -> list[int]
                          "lower --num-layers or give --target-layer-ids")
 
 
+def with_window(cfg: TrainConfig, draft: DraftConfig) -> DraftConfig:
+    """`draft` with the flags' sliding-window layers (unchanged without the flags)."""
+    if not cfg.draft_sliding_window and not cfg.draft_layer_types:
+        return draft
+    n = draft.num_hidden_layers
+    types = (tuple(t.strip() for t in cfg.draft_layer_types.split(",")) if cfg.draft_layer_types
+             else ("sliding_attention",) * n)
+    if len(types) != n:
+        raise BlockspecError(f"train: --draft-layer-types lists {len(types)} layers, the draft has {n}")
+    if any(t not in DRAFT_LAYER_TYPES for t in types):
+        raise BlockspecError(f"train: --draft-layer-types entries must be {' or '.join(DRAFT_LAYER_TYPES)}, "
+                             f"got {cfg.draft_layer_types!r}")
+    window = cfg.draft_sliding_window or None
+    if window is None and "sliding_attention" in types:
+        raise BlockspecError("train: sliding_attention layers need --draft-sliding-window W")
+    if window is not None and "sliding_attention" not in types:
+        raise BlockspecError("train: --draft-sliding-window needs sliding_attention layers in --draft-layer-types")
+    return replace(draft, layer_types=types, sliding_window=window)
+
+
 def draft_config_for(cfg: TrainConfig, target: TargetModel, mask_token_id: int) -> DraftConfig:
     tc = target.config
     ids = ([int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids
@@ -129,7 +155,7 @@ def draft_config_for(cfg: TrainConfig, target: TargetModel, mask_token_id: int) 
         raise BlockspecError(f"train: target_layer_ids {ids} must be distinct layers of the target's "
                              f"0..{tc.num_hidden_layers - 1}")
     dspark = cfg.method == "dspark"
-    return DraftConfig(
+    return with_window(cfg, DraftConfig(
         layout=cfg.layout, block_size=cfg.block_size, mask_token_id=mask_token_id, target_layer_ids=ids,
         num_target_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size,
         intermediate_size=cfg.intermediate_size or tc.intermediate_size, num_hidden_layers=cfg.num_layers,
@@ -138,7 +164,7 @@ def draft_config_for(cfg: TrainConfig, target: TargetModel, mask_token_id: int) 
         vocab_size=tc.vocab_size, max_position_embeddings=tc.max_position_embeddings,
         rms_norm_eps=tc.rms_norm_eps, rope=tc.rope,
         markov_rank=cfg.markov_rank if dspark else 0, markov_head_type=cfg.markov_head_type,
-        enable_confidence_head=dspark and cfg.confidence)
+        enable_confidence_head=dspark and cfg.confidence))
 
 
 def eagle3_config_for(cfg: TrainConfig, target: TargetModel) -> Eagle3Config:

@@ -45,7 +45,8 @@ from blockspec.training.logging import LogSinks, TrainLogger
 from blockspec.training.losses import SUMS
 from blockspec.training.objective import AnchorSpec, DraftObjective, anchor_generators, prepare, uses_target_probs
 from blockspec.training.train_config import (BUDGET_CALIBRATION_STEPS, Schedule, TrainConfig, draft_config_for,
-                                             eagle3_config_for, fit_to_budget, lr_at, scheduler_state, warm_start)
+                                             eagle3_config_for, fit_to_budget, lr_at, scheduler_state, warm_start,
+                                             with_window)
 
 __all__ = ["BUDGET_CALIBRATION_STEPS", "TrainConfig", "draft_config_for", "fit_to_budget", "train", "warm_start"]
 
@@ -109,6 +110,11 @@ class Run:
 def build_draft(cfg: TrainConfig, target: TargetModel, mask_token_id: int, device: torch.device) -> DraftModel:
     if cfg.init_from:
         draft = load_draft(cfg.init_from, dtype="float32", target=target).requires_grad_(True)  # trained in fp32
+        windowed = with_window(cfg, draft.config)
+        if windowed != draft.config:   # the same weights under sliding-window layers (fine-tuning into a window)
+            state = draft.state_dict()
+            draft = DraftModel(windowed)
+            draft.load_state_dict(state)
     else:
         torch.manual_seed(cfg.seed)   # the same initial weights on every rank and every run
         draft = DraftModel(draft_config_for(cfg, target, mask_token_id))
