@@ -72,8 +72,9 @@ def test_bench_writes_json_markdown_and_plots(bench):
     md = (out / "results.md").read_text()
     assert "| dataset | method |" in md and "dflash B=4" in md and "dspark B=3" in md
     assert "Confidence-head calibration" in md and "NOT lossless" not in md
+    assert "## Acceptance by context length" in md and "| prompts | dflash B=4 adaptive | 0.000 | <512 |" in md
     for temp in ("0", "1"):
-        for kind in ("acceptance", "per_slot", "dspark-B-3-adaptive_reliability"):
+        for kind in ("acceptance", "per_slot", "tau_vs_position", "dspark-B-3-adaptive_reliability"):
             png = out / f"prompts_t{temp}_{kind}.png"
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     assert sorted(Path(p).name for p in results["plots"]) == sorted(p.name for p in out.glob("*.png"))
@@ -100,6 +101,10 @@ def test_bench_metrics_are_consistent(bench):
             continue
         acc = row["acceptance"]
         assert sum(acc["histogram"]) == acc["rounds"] > 0
+        # short prompts: every round is in the first context bucket, which is the overall figure
+        assert [(e["context"], e["rounds"], e["tau"]) for e in row["by_context"]] == [("<512", acc["rounds"],
+                                                                                          acc["tau"])]
+        assert sum(row["tau_by_position"]["rounds"]) == acc["rounds"]
         assert acc["tau"] == pytest.approx(row["tau"])
         assert len(acc["histogram"]) <= row["drafts"] + 1
         if row["method"] == "ar":

@@ -29,6 +29,7 @@ import torch
 
 from blockspec.bench import plots
 from blockspec.bench.arms import Arm, BenchSetup, RunRecord
+from blockspec.bench.context import ContextAcceptance
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import RoundRecorder
 from blockspec.decoding.generate import GenerateOptions, Timing, generate
@@ -65,8 +66,9 @@ class ArmTotals:
     timing: Timing = field(default_factory=Timing)
     has_rounds: bool = False
     outputs: list[list[int]] = field(default_factory=list)   # per prompt, in prompt order
+    by_context: ContextAcceptance = field(default_factory=ContextAcceptance)
 
-    def add(self, records: list[RunRecord]) -> None:
+    def add(self, records: list[RunRecord], prompt_len: int) -> None:
         """One prompt's repeats: first repeat's tokens/rounds (repeats are identical), median time."""
         first = records[0]
         self.tokens += first.tokens
@@ -75,6 +77,7 @@ class ArmTotals:
         if first.stats is not None:
             self.has_rounds = True
             self.acceptance.add_rounds(first.stats.accepted, first.stats.verified)
+            self.by_context.add(prompt_len, first.stats.accepted, first.stats.verified)
         for r in records:
             self.runs += 1
             if r.timing is not None:
@@ -103,7 +106,7 @@ def measure(arms: list[Arm], prompts: list[list[int]], params: list[SamplingPara
                 records[k].append(timed_run(arms[k], ids, p, device))
                 tick(arms[k].label)
         for total, recs in zip(totals, records):
-            total.add(recs)
+            total.add(recs, len(ids))
     return totals
 
 

@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "plot_acceptance_histogram",
     "plot_per_slot",
+    "plot_tau_vs_position",
     "plot_speedup_vs_block",
     "plot_throughput_vs_concurrency",
     "plot_reliability",
@@ -79,6 +80,22 @@ def plot_per_slot(per_slot_by_method: dict[str, list[float]], path: str | Path) 
     ax.set_ylabel("P(accept slot k | slots 1..k-1 accepted)")
     ax.set_title("Per-slot conditional acceptance")
     if per_slot_by_method:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_tau_vs_position(series_by_method: dict[str, dict[str, list[float]]], path: str | Path) -> Path:
+    """tau (tokens per round, bonus included) against the context position of the round's anchor,
+    one line per method (`ContextAcceptance.tau_by_position`: bin centres and tau)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m, series in series_by_method.items():
+        ax.plot(series["position"], series["tau"], marker=".", label=m)
+    ax.set_xlabel("context position of the round (tokens)")
+    ax.set_ylabel("tau (tokens per round)")
+    ax.set_title("Acceptance vs context length")
+    if series_by_method:
         ax.legend()
     ax.grid(alpha=0.3)
     return _save(fig, path)

@@ -26,10 +26,11 @@ from blockspec.bench.measure import ArmTotals
 from blockspec.bench.metrics import markdown_table, speedup_summary
 from blockspec.bench.quality import LOOP_SHARE, REPEAT_N, degeneracy
 
-__all__ = ["TABLE_COLUMNS", "CALIBRATION_COLUMNS", "summarize", "group_plots", "render_markdown", "write_outputs",
+__all__ = ["TABLE_COLUMNS", "CALIBRATION_COLUMNS", "CONTEXT_COLUMNS", "context_rows", "summarize", "group_plots", "render_markdown", "write_outputs",
            "slug"]
 
 
+CONTEXT_COLUMNS = ["dataset", "method", "temperature", "context", "rounds", "tau", "per_slot"]
 TABLE_COLUMNS = ["dataset", "method", "mode", "temperature", "block_size", "drafts", "drafted", "tau", "rep8",
                  "looping", "parse_body", "tokens_per_s", "speedup", "efficiency", "projected_speedup", "t_draft_ms",
                  "t_verify_ms", "t_ar_ms", "ece", "auroc"]
@@ -72,11 +73,28 @@ def summarize(arm: Arm, total: ArmTotals, ar: ArmTotals, group: dict[str, Any]) 
     row["projected_speedup"] = _projected(tau, row["t_ar_ms"], row["t_draft_ms"], row["t_verify_ms"])
     if total.has_rounds:
         row["acceptance"] = total.acceptance.to_dict()
+        row["by_context"] = total.by_context.table()
+        row["tau_by_position"] = total.by_context.tau_by_position()
         # Share of rounds that drafted: the adaptive policy runs AR rounds where drafting does not pay.
         row["drafted"] = total.acceptance.drafted_share if arm.draft is not None else None
     row["degeneracy"] = degeneracy(total.outputs)
     row["rep8"], row["looping"] = row["degeneracy"]["share"], row["degeneracy"]["looping_share"]
     return row
+
+
+def context_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Acceptance by context length (bench/context.py) of the drafting arms: the overall
+    figure ("all"), then each context bucket with rounds; per-slot acceptance as a list."""
+    out = []
+    for r in rows:
+        if not r.get("by_context") or not r["drafts"]:
+            continue
+        for entry in [{"context": "all", **r["acceptance"]}, *r["by_context"]]:
+            slots = " ".join("-" if x is None else f"{x:.2f}" for x in entry["per_slot"])
+            out.append({"dataset": r["dataset"], "method": r["label"], "temperature": r["temperature"],
+                        "context": entry["context"], "rounds": entry["rounds"], "tau": entry["tau"],
+                        "per_slot": slots})
+    return out
 
 
 def _finite(obj: Any) -> Any:
@@ -104,6 +122,8 @@ def group_plots(rows: list[dict[str, Any]], block_sizes: list[int] | None, out_d
                                                      out_dir / f"{stem}_acceptance.png"))
         files.append(plots.plot_per_slot({r["label"]: r["acceptance"]["per_slot"] for r in spec},
                                          out_dir / f"{stem}_per_slot.png"))
+        files.append(plots.plot_tau_vs_position({r["label"]: r["tau_by_position"] for r in spec},
+                                                out_dir / f"{stem}_tau_vs_position.png"))
     if block_sizes is not None and len(block_sizes) > 1 and spec:
         by_method: dict[str, list[float | None]] = {}
         for method in dict.fromkeys(r["method"] for r in spec):
@@ -155,6 +175,13 @@ def render_markdown(results: dict[str, Any]) -> str:
     if cal_rows:
         lines += ["## Confidence-head calibration (survival s_k vs prefix acceptance)", "",
                   markdown_table(cal_rows, CALIBRATION_COLUMNS), ""]
+    by_context = context_rows(results["rows"])
+    if by_context:
+        lines += ["## Acceptance by context length", "",
+                  "Rounds grouped by the anchor's position (the context the draft sees: prompt + tokens so "
+                  "far); tau includes the bonus token; per_slot = P(accept slot k | slots 1..k-1 accepted), "
+                  "'-' where no round reached the slot; 'all' is the overall figure.", "",
+                  markdown_table(by_context, CONTEXT_COLUMNS), ""]
     conc = results.get("concurrency")
     if conc:
         methods = list(conc["tokens_per_s"])

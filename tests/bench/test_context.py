@@ -1,0 +1,49 @@
+"""Acceptance by context length (bench/context.py): each round's anchor position, the buckets
+(<512, 512-2k, 2k-8k, 8k+) with tau and per-slot acceptance, and the binned tau for the plot."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockspec.bench.arms import RunRecord
+from blockspec.bench.context import ContextAcceptance, bucket_of, round_positions
+from blockspec.bench.measure import ArmTotals
+from blockspec.bench.report import context_rows
+from blockspec.decoding.output import RequestStats
+
+
+def test_round_positions_follow_the_tokens_each_round_produced():
+    # the first anchor is the prefill's token at position = prompt length; a round adds accepted + 1
+    assert round_positions(10, [3, 0, 2]) == [10, 14, 15]
+    assert round_positions(7, []) == []
+
+
+@pytest.mark.parametrize("position, label", [(0, "<512"), (511, "<512"), (512, "512-2k"), (2047, "512-2k"),
+                                             (2048, "2k-8k"), (8191, "2k-8k"), (8192, "8k+"), (100000, "8k+")])
+def test_bucket_edges(position, label):
+    assert bucket_of(position) == label
+
+
+def test_rounds_split_across_buckets_keep_the_overall_figure():
+    totals = ArmTotals()
+    # rounds at 505, 509, 513 (>= 512), 517, 518: the first two below 512
+    stats = RequestStats(verified=[3, 3, 3, 3, 3], accepted=[3, 3, 3, 0, 1])
+    totals.add([RunRecord(14, 1.0, stats, None, [0] * 14)], prompt_len=505)
+    table = totals.by_context.table()
+    assert [e["context"] for e in table] == ["<512", "512-2k"]
+    assert [e["rounds"] for e in table] == [2, 3]
+    assert table[0]["tau"] == 4.0 and table[1]["tau"] == pytest.approx((4 + 1 + 2) / 3)
+    assert table[1]["per_slot"] == [pytest.approx(2 / 3), 0.5, 1.0]
+    assert sum(e["rounds"] for e in table) == totals.acceptance.rounds
+    series = totals.by_context.tau_by_position(bins=2)
+    assert sum(series["rounds"]) == 5
+    assert sum(t * n for t, n in zip(series["tau"], series["rounds"])) == totals.acceptance.tokens
+
+
+def test_the_report_shows_the_buckets_next_to_the_overall_figure():
+    acc = ContextAcceptance()
+    acc.add(600, [1, 1], [3, 3])
+    row = {"dataset": "d", "label": "dflash B=4", "temperature": 0.0, "drafts": 3,
+           "acceptance": {"rounds": 2, "tau": 2.0, "per_slot": [1.0, 0.0, None]}, "by_context": acc.table()}
+    rows = context_rows([row, {**row, "drafts": 0}])
+    assert [r["context"] for r in rows] == ["all", "512-2k"] and rows[0]["per_slot"] == "1.00 0.00 -"
