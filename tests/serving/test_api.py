@@ -6,6 +6,7 @@ the serve flags and a SIGTERM'd subprocess that exits 0."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -23,7 +24,8 @@ from blockspec.config import SamplingParams
 from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import load_target
+from blockspec.models.checkpoint import load_draft, load_target, save_draft
+from blockspec.models.draft import DraftModel
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.serving.api import create_app
 from blockspec.serving.server import build_engine, resolve_speculation
@@ -377,3 +379,22 @@ def _up(url: str, proc: subprocess.Popen) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_sliding_window_draft_serves_greedy_equal_to_generate(dirs, reference, tmp_path):
+    """Issue 34: a windowed draft saved to disk loads through `blockspec serve`'s flags and the
+    server's greedy output equals AR (a window of 2, so the draft's ring wraps)."""
+    full = load_draft(dirs[1])
+    windowed = DraftModel(dataclasses.replace(full.config, layer_types=("sliding_attention",), sliding_window=2))
+    windowed.load_state_dict(full.state_dict())
+    save_draft(windowed, tmp_path / "windowed")
+    engine, tokenizer, _ = dflash_engine(dirs[0], tmp_path / "windowed")
+    assert engine.draft.config.sliding_window == 2
+    ctx, url = start(engine, tokenizer, max_tokens=64)
+    try:
+        text, _, reason = reference("w1 w2 w3", 24)
+        out = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
+                         json={"model": MODEL, "prompt": "w1 w2 w3", "max_tokens": 24, "temperature": 0}).json()
+        assert out["choices"][0]["text"] == text and out["choices"][0]["finish_reason"] == reason
+    finally:
+        ctx.__exit__(None, None, None)
