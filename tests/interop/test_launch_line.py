@@ -200,3 +200,19 @@ def completion_text(engine, tokenizer) -> str:
         return reply.json()["choices"][0]["text"]
     finally:
         ctx.__exit__(None, None, None)
+
+
+def test_mixed_sliding_and_full_draft_layers_ask_vllm_for_its_v2_runner(tmp_path):
+    """Issue 34: vLLM runs a draft whose layers mix sliding and full attention only on its V2
+    model runner; an all-sliding draft needs nothing more; SGLang needs no environment."""
+    target = write_tiny_target_dir(tmp_path / "target")
+    mixed = make_draft(target, "zlab", 4, layers=2, layer_types=("sliding_attention", "full_attention"),
+                       sliding_window=8)
+    sliding = make_draft(target, "zlab", 4, layers=2, layer_types=("sliding_attention",) * 2, sliding_window=8)
+    save_draft(mixed, tmp_path / "mixed")
+    save_draft(sliding, tmp_path / "sliding")
+    line = launch_line(tmp_path / "mixed", "vllm", target=tmp_path / "target")
+    assert line.env == {"VLLM_USE_V2_MODEL_RUNNER": "1"} and line.problems == []
+    assert launch_line(tmp_path / "sliding", "vllm", target=tmp_path / "target").env == {}
+    sglang = launch_line(tmp_path / "mixed", "sglang", target=tmp_path / "target")
+    assert sglang.env == {} and sglang.problems == []
