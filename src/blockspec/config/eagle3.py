@@ -237,6 +237,10 @@ class ChainDraftConfig:
     def block_size(self) -> int:
         return self.num_drafts + 1
 
+    def layer_window(self, i: int) -> None:
+        """EAGLE-3 layers attend to the whole context (no sliding-window layers)."""
+        return None
+
     @property
     def hidden_size(self) -> int:
         return self.draft.target_hidden_size
