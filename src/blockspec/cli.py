@@ -26,8 +26,9 @@ from blockspec.errors import BlockspecError
 from blockspec.interop import ENGINES, EngineCompatibilityWarning, launch_line, mask_token_of
 from blockspec.loading import draft_method, load_drafts, load_models
 from blockspec.models.checkpoint import load_draft, load_target, save_draft
-from blockspec.options import (add_adapt_flag, add_chat_template_flag, add_dataclass_flags, add_dtype_flag, add_load_flags,
-                               add_model_flags, add_rule_flag, add_target_flag, dataclass_from_args, load_options)
+from blockspec.options import (add_adapt_flag, add_chat_template_flag, add_compile_flag, add_dataclass_flags,
+                               add_dtype_flag, add_load_flags, add_model_flags, add_rule_flag, add_target_flag,
+                               dataclass_from_args, load_options)
 from blockspec.serving.server import add_serve_parser
 from blockspec.training.calibrate import collect_rollouts, fit_sts, save_temperatures
 from blockspec.training.corpus import build_corpus, train_tokenizer
@@ -251,8 +252,7 @@ def _add_generate(sub: Any) -> None:
     add_rule_flag(p)
     add_adapt_flag(p)
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
-    p.add_argument("--compile", action="store_true",
-                   help="AR: torch.compile the decode step; speculative methods: captured static round steps "
+    add_compile_flag(p, "AR: torch.compile the decode step; speculative methods: captured static round steps "
                         "(CUDA graphs on a GPU, torch.compile on the CPU); slow first step, faster after")
     p.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(func=cmd_generate)

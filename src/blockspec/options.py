@@ -29,6 +29,11 @@ def add_target_flag(p: argparse.ArgumentParser, help: str = TARGET_HELP) -> None
     p.add_argument("--target", default=None, help=help)
 
 
+def add_compile_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """--compile: captured static-shape round steps (CUDA graphs on a GPU, torch.compile elsewhere)."""
+    p.add_argument("--compile", action="store_true", help=help)
+
+
 def add_dtype_flag(p: argparse.ArgumentParser, default: str | None = None, help: str = DTYPE_HELP) -> None:
     """--dtype NAME: the dtype the models are loaded in (None: models.checkpoint.resolve_dtype's rule)."""
     p.add_argument("--dtype", default=default, help=help)

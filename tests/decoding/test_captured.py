@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.captured import CapturedSteps, captured_steps, release_captured, row_bucket
+from blockspec.decoding.captured import (CapturedSteps, captured_steps, release_captured, row_bucket,
+                                         width_bucket)
 from blockspec.decoding.generate import generate
 from blockspec.bench.arms import ForcedAcceptance
 from blockspec.decoding.policy import RoundPolicy as FixedWindow   # no table, no gate: full windows
@@ -48,6 +49,12 @@ def models(method: str, dtype: torch.dtype = torch.float64):
 
 def test_row_buckets():
     assert [row_bucket(n) for n in (1, 2, 3, 4, 5, 9, 17, 32, 33, 65)] == [1, 2, 4, 4, 8, 16, 32, 32, 64, 96]
+
+
+def test_width_buckets():
+    """Verify widths (anchor + drafts) run at 1, a power of two, or the whole window."""
+    assert [width_bucket(w, 17) for w in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 17]
+    assert [width_bucket(w, 5) for w in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 5]
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -181,9 +188,12 @@ def test_captured_rounds_equal_eager_rounds(method, rows, policy):
     steps = CapturedSteps(target, draft, compile=False)
     captured = run_rounds(target, draft, PROMPTS[rows], policy, steps, 6)
     assert captured == eager
-    # Shorter verifies ran at the full window: target steps of width 1 (AR) or g + 1 only.
+    # Shorter verifies ran at their width bucket: 1 (AR), powers of two, or the whole window g + 1.
     g = draft.config.num_drafts if draft is not None else 0
-    assert {width for name, _, width in steps._steps if name != "draft_block"} <= {1, g + 1}
+    widths = {width for name, _, width in steps._steps if name != "draft_block"}
+    assert widths <= {1, 2, 4, g + 1}
+    if method == "dspark" and policy is PrefixPolicy:   # 3 drafts + anchor of a window of 5: bucket 4
+        assert 4 in widths
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])

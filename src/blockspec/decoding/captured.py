@@ -4,9 +4,10 @@ section 12, "Captured rounds").
 `CapturedSteps` owns the target and draft KV buffers of a batch and runs the static
 steps of `models/static_steps.py` on them: the target's decode / verify forward over
 [R, W] tokens and the draft's block and context forwards. Rows are padded up to a
-bucket (1, 2, 4, 8, 16, 32, then multiples of 32) so a few graphs serve every batch
-size; widths are whatever the round uses (1 for AR, g + 1 for verify, the block for
-the draft), so a generation compiles at most (buckets x 3) graphs. On CUDA each step is
+bucket (1, 2, 4, 8, 16, 32, then multiples of 32; at most the buffers' rows) and a
+verify's width (anchor + the most drafts a row verifies: DSpark's planner and the
+draft gate vary it) up to a width bucket (1, 2, 4, 8, ... capped at the window), so a
+few graphs serve every batch: (row buckets x width buckets) per step. On CUDA each step is
 captured into a CUDA graph of the eager static code ("graphs", the default: one launch
 per step), or compiled with `torch.compile(mode="reduce-overhead")` ("compile"); elsewhere
 it is compiled with plain inductor, or run eagerly (`compile=False`: the same static
@@ -15,7 +16,12 @@ code, for tests). `CapturedForwards` is the round's forwards strategy over these
 The buffers never move while graphs hold their addresses: the batch's caches are row
 views of them, finished rows are compacted in place (`keep_rows`), and a later
 generation with no more rows and the same capacity reuses them (`captured_steps`
-keeps one runner per target and draft).
+keeps one runner per target and draft). The engine's runner adopts its slot pool's
+buffers instead (`adopt`), and the pool moves rows in place as it always does.
+
+Padding rows of a bucket are whatever rows of the buffers follow the real ones (free
+slots, a prompt being prefilled in chunks): a step writes K/V only into slots at or past
+each row's length, which hold nothing committed, so they are never harmed.
 
 Host synchronisations: none inside the steps; the round's one is the transfer of its
 outcome (accepted counts, bonus tokens, drafted tokens) to the host. Sampled (non-greedy)
@@ -30,7 +36,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from blockspec.decoding.round import Forwards
+from blockspec.decoding.round import Forwards, verified_width
 from blockspec.errors import BlockspecError
 from blockspec.models import static_steps
 from blockspec.models.draft import DraftModel
@@ -48,6 +54,22 @@ def row_bucket(rows: int) -> int:
         if rows <= b:
             return b
     return -(-rows // ROW_BUCKETS[-1]) * ROW_BUCKETS[-1]
+
+
+def width_bucket(width: int, window: int) -> int:
+    """The verify width a step runs at: 1, else the smallest power of two holding `width`,
+    capped at `window` (anchor + all drafts). Causal attention: padding after a row's
+    tokens changes none of its positions."""
+    if width <= 1:
+        return width
+    return min(window, 1 << (width - 1).bit_length())
+
+
+def _pad_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [R, W, ...] zero-padded to `width` along dim 1."""
+    if x.shape[1] == width:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1], *x.shape[2:])], dim=1)
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -112,6 +134,15 @@ class CapturedSteps:
         return self.cache.slice_rows(0, rows), (self.draft_cache.slice_rows(0, rows)
                                                 if self.draft_cache is not None else None)
 
+    def adopt(self, cache: KVCache, draft_cache: KVCache | None) -> None:
+        """Run on these buffers from now on (the engine's slot pool, which moves its rows in
+        place): graphs recorded over other buffers are dropped."""
+        if (draft_cache is None) != (self.draft is None):
+            raise BlockspecError("captured steps need a draft cache exactly when they have a draft")
+        self.cache = self._static(cache)
+        self.draft_cache = self._static(draft_cache) if draft_cache is not None else None
+        self._steps.clear()
+
     def _static(self, cache: KVCache) -> KVCache:
         if self.mode == "compile" and self.cuda_graphs:
             # CUDA graphs may mutate an input in place only at an address fixed for the graph's life.
@@ -148,8 +179,13 @@ class CapturedSteps:
     def _base(self, view: KVCache, base: KVCache | None) -> KVCache:
         """The owned buffer a round's cache view belongs to (its first rows)."""
         if base is None or view.k.data_ptr() != base.k.data_ptr() or view.rows > base.rows:
-            raise BlockspecError("captured steps run only on the row views of their own caches (new_caches)")
+            raise BlockspecError("captured steps run only on the row views of their own caches (new_caches, adopt)")
         return base
+
+    @staticmethod
+    def _bucket(rows: int, base: KVCache) -> int:
+        """Rows a step runs: the bucket, within the buffer (a pool of 5 slots runs 5, not 8)."""
+        return min(row_bucket(rows), base.rows)
 
     # -- steps ----------------------------------------------------------------------
     def _run(self, name: str, fn: Callable, width: int, module: nn.Module, x: torch.Tensor, base: KVCache,
@@ -217,16 +253,18 @@ class CapturedSteps:
         the caller commits) -> logits [R, W, V], features [R, W, F] or None.
 
         A verify shorter than the draft's window (a shorter gated block, DSpark's early
-        stop) runs at the full window, padded after its tokens: attention is causal, so the
-        padding changes no real position, and one step serves every such width."""
+        stop or planned lengths) runs at its width bucket, padded after its tokens:
+        attention is causal, so the padding changes no real position."""
         base = self._base(cache, self.cache)
         r, w = tokens.shape
-        full = self.draft.config.num_drafts + 1 if self.draft is not None else w
-        if 1 < w < full:
-            tokens = torch.cat([tokens, tokens.new_zeros(r, full - w)], dim=1)
+        tokens = _pad_width(tokens, width_bucket(w, self.window(w)))
         logits, features = self._run(f"target{capture}", static_steps.target_step, tokens.shape[1], self.target,
-                                     _pad_rows(tokens, row_bucket(r)), base, capture)
+                                     _pad_rows(tokens, self._bucket(r, base)), base, capture)
         return logits[:r, :w], None if features is None else features[:r, :w]
+
+    def window(self, width: int) -> int:
+        """The widest verify: anchor + the draft's window (AR: the width itself)."""
+        return self.draft.config.num_drafts + 1 if self.draft is not None else width
 
     def block_hidden(self, draft: DraftModel, block_ids: torch.Tensor, cache: KVCache,
                      embed: nn.Embedding) -> torch.Tensor:
@@ -235,21 +273,19 @@ class CapturedSteps:
         if draft is not self.draft:
             raise BlockspecError("captured steps run the draft they were built for")
         r, s = block_ids.shape
-        hidden = self._run("draft_block", static_steps.draft_block, s, draft, _pad_rows(block_ids, row_bucket(r)),
-                           base, embed)
+        hidden = self._run("draft_block", static_steps.draft_block, s, draft,
+                           _pad_rows(block_ids, self._bucket(r, base)), base, embed)
         return hidden[:r]
 
     def append_context(self, features: torch.Tensor, counts: torch.Tensor) -> None:
         """The first R rows' features [R, W, F] become draft context; row r keeps counts[r].
-        Widths between 1 and the window are padded to the window, as in `target_forward`
-        (the extra slots lie past what any row keeps)."""
+        Widths are padded to their bucket, as in `target_forward` (the extra slots lie past
+        what any row keeps)."""
         assert self.draft is not None and self.draft_cache is not None
         r, w = features.shape[:2]
-        full = self.draft.config.num_drafts + 1
-        if 1 < w < full:
-            features = torch.cat([features, features.new_zeros(r, full - w, features.shape[2])], dim=1)
+        features = _pad_width(features, width_bucket(w, self.window(w)))
         self._run("draft_context", static_steps.draft_context, features.shape[1], self.draft,
-                  _pad_rows(features, row_bucket(r)), self.draft_cache)
+                  _pad_rows(features, self._bucket(r, self.draft_cache)), self.draft_cache)
         self.draft_cache.lengths[:r] += counts
 
     def context(self) -> "CapturedContext":
@@ -275,10 +311,16 @@ class CapturedContext:
 class CapturedForwards(Forwards):
     """The round's forwards as captured steps (dense rows): the draft's block forward and the
     target's verify forward run on the runner's buffers, and the commit sets the lengths
-    without reading them on the host (the static step left them alone)."""
+    without reading them on the host (the static step left them alone). The verify spans
+    the most drafts any row verifies (ragged rows: the others' extra positions are computed
+    and never read, as `PackedForwards` leaves them out), a host value: the policy plans
+    verify lengths on the host."""
 
     def __init__(self, steps: CapturedSteps) -> None:
         self.steps = steps
+
+    def width(self, drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> int:
+        return verified_width(drafts, num_drafts)
 
     def draft_block(self, draft: DraftModel, block_ids: torch.Tensor, draft_cache: KVCache,
                     embed: nn.Embedding) -> torch.Tensor:

@@ -16,7 +16,8 @@ from blockspec.decoding.cost_table import CostTable
 
 def plan(survival: torch.Tensor, table: CostTable | None, draft_time_s: float = 0.0,
          min_survival: float = 0.0, base_rows: int | None = None) -> torch.Tensor:
-    """Drafts to verify per request, [R] long (docs/design.md section 5, DSpark Algorithm 1).
+    """Drafts to verify per request, [R] long, on the host (docs/design.md section 5, DSpark
+    Algorithm 1): the round sizes its verify forward from them without a device read.
 
     survival [R, g]: prefix survival a_{r,j} = prod_{i<=j} c_{r,i}, non-increasing in j.
     Start from anchors only (n = R, tau* = R); admit slots in descending survival
@@ -32,13 +33,12 @@ def plan(survival: torch.Tensor, table: CostTable | None, draft_time_s: float = 
     every draft."""
     r, g = survival.shape
     if table is None or g == 0 or r == 0:
-        return torch.full((r,), g, dtype=torch.long, device=survival.device)
+        return torch.full((r,), g, dtype=torch.long)
     flat = survival.detach().to("cpu", torch.float64).t().reshape(-1)  # index j*R + r
     order = torch.sort(flat, descending=True, stable=True).indices       # stable: ties by (j, r)
     base = r if base_rows is None else base_rows
     admitted, _ = admit(flat[order].tolist(), base, table.times_upto(base + r * g), draft_time_s, min_survival)
-    lens = torch.bincount(order[:admitted] % r, minlength=r)
-    return lens.to(survival.device)
+    return torch.bincount(order[:admitted] % r, minlength=r)
 
 
 def admit(survivals: list[float], base_rows: int, times: list[float], draft_time_s: float,

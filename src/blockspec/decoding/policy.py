@@ -229,19 +229,20 @@ class RoundPolicy:
 
     def verify_lengths(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
         """Drafts each of the `rows` running requests verifies (zero for those that did
-        not draft; None in an AR round); `block`: the drafted block's length (its draft
-        time is spent)."""
+        not draft; None in an AR round), on the host (the planner's own result: the round
+        sizes its verify from it without reading the device); `block`: the drafted
+        block's length (its draft time is spent)."""
         if proposal is None or self.fixed:   # fixed: every row verifies its whole proposal
             return None
         k, g = proposal.tokens.shape
-        lens = torch.zeros(rows, dtype=torch.long, device=proposal.tokens.device)
+        lens = torch.zeros(rows, dtype=torch.long)
         table = self.table
         if table is None or proposal.confidence is None:
             lens[:k] = g
             return lens
         draft_s = table.draft_time(k, block=block) if table.has_draft_times else 0.0
         survival = torch.cumprod(proposal.confidence, dim=1)
-        lens[:k] = plan(survival, table, draft_s, self.min_survival, base_rows=rows).to(lens.device)
+        lens[:k] = plan(survival, table, draft_s, self.min_survival, base_rows=rows)
         return lens
 
     def observe(self, outcome: RoundOutcome, proposal: Proposal | None, lens: torch.Tensor | None) -> None:
@@ -251,7 +252,7 @@ class RoundPolicy:
         if proposal is None or lens is None or k == 0:   # lens is None exactly when nobody drafted
             return
         accepted = torch.tensor(outcome.accepted[:k])
-        verified = lens[:k].cpu()
+        verified = lens[:k]   # on the host (verify_lengths)
         bands = self._bands[:k] if len(self._bands) >= k else [0] * k
         if self.calibrate and outcome.raw_confidence is not None:
             raw = outcome.raw_confidence.cpu()

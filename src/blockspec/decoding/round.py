@@ -251,6 +251,8 @@ class Forwards:
         probs = proposal.probs if proposal is not None else None
         g = self.width(drafts, num_drafts)
         drafts, probs = drafts[:, :g], None if probs is None else probs[:, :g]
+        if num_drafts is not None:   # planned on the host: one small copy, no wait
+            num_drafts = num_drafts.to(drafts.device)
         raw, features = self.target_forward(target, cache, anchors, drafts, num_drafts, capture)
         logits = sampler.adjusted(raw, drafts)   # penalties: the target's distribution itself changes
         verdict = self.verdict(logits, drafts, probs, sampler, num_drafts, rule)
@@ -262,12 +264,17 @@ class Forwards:
         return verdict, features
 
 
+def verified_width(drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> int:
+    """The most drafts any row verifies (num_drafts: on the host, as the policy plans them)."""
+    return int(num_drafts.max()) if num_drafts is not None and drafts.shape[0] else drafts.shape[1]
+
+
 class PackedForwards(Forwards):
     """The engine's: one ragged target forward (`TargetModel.forward_packed`) in which row r
     runs only its anchor and first num_drafts[r] drafts."""
 
     def width(self, drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> int:
-        return int(num_drafts.max()) if num_drafts is not None and drafts.shape[0] else drafts.shape[1]
+        return verified_width(drafts, num_drafts)
 
     def target_forward(self, target: TargetModel, cache: KVCache, anchors: torch.Tensor, drafts: torch.Tensor,
                        num_drafts: torch.Tensor | None, capture: tuple[int, ...]
@@ -339,7 +346,7 @@ class Policy(Protocol):
         """Raw confidences -> the ones `verify_lengths` uses (None: as the head says)."""
 
     def verify_lengths(self, proposal: Proposal | None, rows: int, block: int) -> torch.Tensor | None:
-        """Drafts each of `rows` rows verifies [rows] (None: every row its whole proposal)."""
+        """Drafts each of `rows` rows verifies [rows], on the host (None: every row its whole proposal)."""
 
     def observe(self, outcome: "RoundOutcome", proposal: Proposal | None, lens: torch.Tensor | None) -> None:
         """The finished round (lens: what `verify_lengths` returned)."""
@@ -438,8 +445,8 @@ def _outcome_lists(verdict: Verdict, proposal: Proposal | None, lens: torch.Tens
     g = proposal.tokens.shape[1] if proposal is not None else 0
     if proposal is not None:
         parts.append(proposal.tokens)
-    if lens is not None:
-        parts.append(lens.view(rows, 1))
+    if lens is not None:   # (planned on the host: copied to the device to travel back with the rest)
+        parts.append(lens.to(verdict.accepted.device).view(rows, 1))
     host = torch.cat([p.to(torch.long) for p in parts], dim=1).tolist()
     accepted, bonus = [h[0] for h in host], [h[1] for h in host]
     drafted = [h[2:2 + g] for h in host]

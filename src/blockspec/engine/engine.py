@@ -7,6 +7,11 @@ its own number of drafts (`round.PackedForwards`), as the round policy
 (`policy.RoundPolicy`: draft gate, DSpark planner, confidence recalibration, early
 stop) decides.
 
+With `EngineOptions(compile=True)` (`serve --compile`) the rounds' forwards are captured
+static-shape steps over the pool's own buffers (decoding/captured.py: CUDA graphs on
+CUDA): rows padded to a row bucket, the ragged verify padded to the most drafts any row
+verifies, then to its width bucket. Prefill (whole or chunked) stays eager.
+
 Use it synchronously (`submit`, `step`, `run_until_done`) or from a background
 thread (`start`, `submit`, iterate / await the handle, `shutdown`).
 """
@@ -23,6 +28,8 @@ from typing import Any, Callable
 import torch
 
 from blockspec.config import RULES, SamplingParams
+from blockspec.decoding.captured import MODES as CAPTURE_MODES, CapturedSteps
+from blockspec.decoding.context import DraftContext
 from blockspec.decoding.generate import check_method
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
 from blockspec.decoding.policy import PolicyOptions, RoundPolicy
@@ -47,16 +54,23 @@ class EngineOptions:
     rule: the verification rule when sampling. Memory (`memory.plan_for_models`): slots
     that fit kv_memory_gb, else gpu_memory_utilization of the free memory.
     prefill_chunk_tokens: longer prompts are prefilled that many tokens per step
-    (None: 2048 on CUDA, 512 on CPU)."""
+    (None: 2048 on CUDA, 512 on CPU). compile: rounds on captured static-shape steps
+    (`captured.CapturedSteps`); capture_mode: how ("graphs", "compile", "eager": the
+    same static code uncaptured, for tests; None: graphs on CUDA, compile elsewhere)."""
 
     rule: str = "rejection"
     kv_memory_gb: float | None = None
     gpu_memory_utilization: float | None = None
     prefill_chunk_tokens: int | None = None
+    compile: bool = False
+    capture_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise BlockspecError(f"unknown verification rule {self.rule!r} (choose rejection or match)")
+        if self.capture_mode is not None and (not self.compile or self.capture_mode not in CAPTURE_MODES):
+            raise BlockspecError(f"capture_mode needs compile=True and one of {', '.join(CAPTURE_MODES)}, "
+                                 f"got {self.capture_mode!r}")
 
 
 @dataclass
@@ -103,7 +117,8 @@ class Engine:
     method: "ar" | "dflash" | "dspark" | "eagle3". policy: a `RoundPolicy` or the `PolicyOptions` to
     build one from (`RoundPolicy.for_method`; default adaptive). Memory: rows = min(max_running,
     slots that fit the options' budget: `memory.plan_for_models`) of max_model_len positions.
-    forwards: the round's strategy (`round.PackedForwards`; the bench and tests wrap it)."""
+    forwards: the round's strategy (`round.PackedForwards`, or the captured steps' with
+    options.compile; the bench and tests wrap it)."""
 
     def __init__(self, target: TargetModel, draft: AnyDraft | None = None, method: str = "ar", *,
                  max_running: int = 32, max_model_len: int | None = None, tokenizer: Detokenizer | None = None,
@@ -116,13 +131,20 @@ class Engine:
         if self.draft is not None:
             self.draft.config.check_target(target.config)
         self.policy = RoundPolicy.of(policy, target, self.draft, method, max_running)
-        self.forwards: Forwards = PackedForwards()
         # Slots x length from the memory free now (the weights are loaded): never
         # max_running x max_position_embeddings blindly.
         self.memory_plan = plan_for_models(target, self.draft, max_running, max_model_len, options.kv_memory_gb,
                                            options.gpu_memory_utilization)
         self.max_model_len = self.memory_plan.max_model_len
-        self.slots = SlotPool(target, self.draft, self.memory_plan)
+        self.captured = (CapturedSteps(target, self.draft, mode=options.capture_mode) if options.compile
+                         else None)
+        self.slots = SlotPool(target, self.draft, self.memory_plan, buffered=self.captured is None)
+        self.forwards: Forwards = PackedForwards()
+        self.context: DraftContext | None = self.slots.pending
+        if self.captured is not None:   # the steps run on the pool's buffers, which never move
+            self.captured.adopt(self.slots.cache, self.slots.draft_cache)
+            self.forwards = self.captured.forwards()
+            self.context = self.captured.context() if self.draft is not None else None
         self.stats = EngineStats(speculative=self.draft is not None)
         self.chunks = ChunkedPrefill(target, self.draft, self.slots, self.stats, chunk)
         self._lock = threading.Lock()        # queue, cancellations, live requests
@@ -330,7 +352,7 @@ class Engine:
                 reqs[a], reqs[b], bands[a], bands[b] = reqs[b], reqs[a], bands[b], bands[a]
         view, draft_view = self.slots.views(0, len(reqs))
         anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.long, device=self.target.device)
-        batch = RoundInputs(self.target, self.draft, view, draft_view, self.slots.pending, anchors,
+        batch = RoundInputs(self.target, self.draft, view, draft_view, self.context, anchors,
                             request_sampler(reqs, self.target), bands, self.forwards)
         outcome = speculative_round(batch, self.policy, rule=self.rule)
         for i, req in enumerate(reqs):

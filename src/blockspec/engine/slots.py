@@ -23,9 +23,12 @@ from blockspec.models.target import TargetModel
 
 class SlotPool:
     """`plan.slots` KV slots of `plan.max_model_len` positions (plus the block margin) for the
-    target (and the draft): exactly the plan's bytes (`plan.slot_bytes` per slot)."""
+    target (and the draft): exactly the plan's bytes (`plan.slot_bytes` per slot).
+    buffered: the draft context of rounds that did not draft waits in a `PendingContext`
+    (eager rounds); captured rounds append every round's context at once (no buffer)."""
 
-    def __init__(self, target: TargetModel, draft: AnyDraft | None, plan: MemoryPlan) -> None:
+    def __init__(self, target: TargetModel, draft: AnyDraft | None, plan: MemoryPlan,
+                 buffered: bool = True) -> None:
         self.target, self.draft, self.plan = target, draft, plan
         self.slot_capacity = plan.max_model_len + plan.shapes.margin
         self.pending_capacity = plan.shapes.pending_positions
@@ -36,7 +39,7 @@ class SlotPool:
             self.draft_cache = (draft.new_cache(self.rows, self.slot_capacity + self.pending_capacity)
                                 if draft is not None else None)
         self.pending = (PendingContext(draft, self.draft_cache, self.pending_capacity)
-                        if draft is not None and self.draft_cache is not None else None)
+                        if buffered and draft is not None and self.draft_cache is not None else None)
 
     def usage(self, running: int) -> dict[str, int]:
         """Slot and KV-memory figures with `running` rows in use (for /metrics)."""
@@ -78,8 +81,9 @@ class SlotPool:
         finished = set(done)
         movers = [row for row in range(live, running) if row not in finished]
         self.cache.move_rows(movers, holes)
-        if self.draft_cache is not None and self.pending is not None:
+        if self.draft_cache is not None:
             self.draft_cache.move_rows(movers, holes)
+        if self.pending is not None:
             self.pending.move_rows(movers, holes)
             self.pending.clear(live, running)
         return list(zip(movers, holes))

@@ -38,7 +38,7 @@ from blockspec.decoding.policy import PolicyOptions
 from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.errors import BlockspecError
 from blockspec.loading import draft_method, load_models
-from blockspec.options import add_adapt_flag, add_model_flags, load_options
+from blockspec.options import add_adapt_flag, add_compile_flag, add_model_flags, load_options
 from blockspec.serving.stats_log import INTERVAL_S as STATS_INTERVAL_S
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,8 @@ def build_engine(args: argparse.Namespace):
                     tokenizer=tokenizer, policy=policy,
                     options=EngineOptions(kv_memory_gb=args.kv_memory_gb,
                                           gpu_memory_utilization=args.gpu_memory_utilization,
-                                          prefill_chunk_tokens=args.prefill_chunk_tokens))
+                                          prefill_chunk_tokens=args.prefill_chunk_tokens,
+                                          compile=args.compile))
     log.info("%s", engine.memory_plan.describe())
     return engine, tokenizer, args.served_model_name or args.target or "blockspec"
 
@@ -255,6 +256,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-gate", action="store_true",
                    help="pick each round's block length, or a plain AR round, by the cost table's predicted "
                         "throughput (on by default with --adapt)")
+    add_compile_flag(p, "run the engine's rounds as captured static-shape steps (CUDA graphs on a GPU, "
+                        "torch.compile on the CPU): each new row / width bucket is recorded on first use")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
