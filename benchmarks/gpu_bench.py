@@ -11,34 +11,43 @@ Sections, each printed as Markdown as soon as it is measured:
    draft context), medians of CUDA-event timings; caches filled to the context (kernel
    times do not depend on the values held). Projected speedup
    tau * T_ar / (T_draft + T_verify) at tau 6.49 (the DFlash paper's) and 3.
-2. AR decode tok/s at batch 1, contexts 512 and 4096: blockspec `generate` with `GenerateOptions(compile=True)`
-   (captured rounds: CUDA graphs) against `transformers` generate with its static cache,
-   auto-compiled (sdpa), on the SAME weight tensors (the twin shares them).
-   tok/s = (N - 1) / (t(N new tokens) - t(1 new token)): decode only, prefill cancelled.
-3. Engine throughput vs concurrency (1, 4, 16, 32) with SIMULATED acceptance
+2. Engine throughput vs concurrency (1, 4, 16, 32) with SIMULATED acceptance
    (tau 6.5 imposed, NOT lossless) for AR, DFlash and scheduled DSpark (its cost table
    profiled here; its confidence head set to the constant per-slot acceptance that
-   gives tau 6.5, so the planner sees what the simulation imposes).
-4. Peak GPU memory.
+   gives tau 6.5, so the planner sees what the simulation imposes), the engine's rounds
+   on captured steps (`EngineOptions(compile=True)`: CUDA graphs, what `serve --compile` runs).
+3. AR decode tok/s at batch 1 and 8 (--ar-cells, context x batch): blockspec `generate`
+   with `GenerateOptions(compile=True)` (captured rounds: CUDA graphs) against
+   `transformers` generate with its static cache, auto-compiled (sdpa), on the SAME
+   weight tensors (the twin shares them). tok/s = rows x (N - 1) / (t(N new tokens) -
+   t(1 new token)): decode only, prefill cancelled. Last: compiling transformers' model
+   takes the longest.
+4. Peak GPU memory, overall and per section.
 
     bash benchmarks/gpu.sh [--contexts 512,4096] [--batches 1,8,32] [--out FILE]
     python benchmarks/record.py "GPU: issue 18 figures" -- bash benchmarks/gpu.sh
 
-The Markdown goes to stdout (what record.py appends to docs/results.md) and to --out;
-progress goes to stderr. Sections past --budget-s seconds are skipped, and say so.
-Exits with status 2 and one line on stderr when no CUDA GPU is available. `--smoke`
-runs tiny shapes on the CPU through every section (numbers meaningless).
+The Markdown goes to stdout (what record.py appends to docs/results.md) and to --out
+(rewritten after every line, so a run stopped by its deadline leaves what it measured);
+progress goes to stderr. Each section has its own time budget (SECTION_BUDGETS_S, scaled
+to --budget-s) and starts no new cell past it or past the global --budget-s; a section that
+fails reports its error in one line and the next one runs. Exits with status 2 and one
+line on stderr when no CUDA GPU is available. `--smoke` runs tiny shapes on the CPU
+through every section (numbers meaningless; the captured steps run uncompiled).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import resource
+import signal
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -51,7 +60,7 @@ from blockspec.decoding.cost_table import ProfileOptions, profile_cost_table
 from blockspec.decoding.generate import GenerateOptions, generate
 from blockspec.decoding.policy import PolicyOptions
 from blockspec.decoding.sampling import RowSampler
-from blockspec.engine.engine import Engine
+from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.models.draft import DraftModel
 from blockspec.models.layers import rope_inv_freq
 from blockspec.models.target import TargetModel
@@ -79,8 +88,16 @@ SMOKE_DSPARK = dict(DSPARK_8B, **SMOKE, block_size=7, mask_token_id=510, target_
                     num_target_layers=6, num_hidden_layers=1, markov_rank=8)
 TAUS = (6.49, 3.0)
 SIM_TAU = 6.5
-DEFAULTS = dict(contexts="512,4096", batches="1,8,32", concurrency="1,4,16,32", new_tokens=128, warmup=3, iters=10)
-SMOKE_DEFAULTS = dict(contexts="32,96", batches="1,4", concurrency="1,4", new_tokens=12, warmup=1, iters=2)
+DEFAULTS = dict(contexts="512,4096", batches="1,8,32", concurrency="1,4,16,32", ar_cells="512x1,512x8,4096x1",
+                new_tokens=128, warmup=3, iters=10)
+SMOKE_DEFAULTS = dict(contexts="32,96", batches="1,4", concurrency="1,4", ar_cells="32x1,96x1", new_tokens=12,
+                      warmup=1, iters=2)
+# Seconds per section out of the default global budget of 330 (scaled to --budget-s), sized for an
+# H200: round costs ~30 s of timing plus graph captures; the engine's cost-table profile (eager
+# packed forwards, compiled flex_attention) then 3 arms x 4 concurrency levels; AR mostly
+# compiling transformers' model (about a minute per shape).
+SECTION_BUDGETS_S = {"round costs": 70.0, "engine": 110.0, "AR decode": 150.0}
+GLOBAL_BUDGET_S = 330.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -88,10 +105,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--contexts", help="cached tokens per row (comma list; default 512,4096)")
     ap.add_argument("--batches", help="round-cost batch sizes (comma list; default 1,8,32)")
     ap.add_argument("--concurrency", help="engine concurrency levels (comma list; default 1,4,16,32)")
+    ap.add_argument("--ar-cells", help="AR decode cells, CONTEXTxBATCH (comma list; default 512x1,512x8,4096x1)")
     ap.add_argument("--new-tokens", type=int, help="AR decode and engine: new tokens per request (default 128)")
     ap.add_argument("--warmup", type=int, help="untimed calls before each measurement (default 3)")
     ap.add_argument("--iters", type=int, help="timed calls per measurement, median (default 10)")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="skip what would start after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=GLOBAL_BUDGET_S,
+                    help="skip what would start after this many seconds (sections get their share)")
     ap.add_argument("--out", default=None, help="also write the Markdown here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: tests this script only")
     args = ap.parse_args(argv)
@@ -101,6 +120,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args
+
+
+def ar_cells(text: str) -> list[tuple[int, int]]:
+    """--ar-cells "512x1,512x8" -> [(512, 1), (512, 8)]."""
+    try:
+        cells = [tuple(int(v) for v in cell.split("x")) for cell in text.split(",") if cell.strip()]
+    except ValueError:
+        cells = []
+    if not cells or any(len(c) != 2 or min(c) < 1 for c in cells):
+        raise SystemExit(f"error: --ar-cells must be CONTEXTxBATCH pairs (e.g. 512x1,512x8), got {text!r}")
+    return [(c[0], c[1]) for c in cells]
 
 
 def int_list(text: str, name: str) -> list[int]:
@@ -200,11 +230,15 @@ class Timer:
 
 
 class Report:
-    """Markdown lines to stdout (and --out) as each section finishes; progress to stderr."""
+    """Markdown lines to stdout (and --out, rewritten after every line) as they are measured;
+    progress to stderr. Sections (`section`) have their own deadline inside the global one."""
 
-    def __init__(self, out: str | None, budget_s: float) -> None:
-        self.out, self.budget_s, self.t0 = out, budget_s, time.perf_counter()
+    def __init__(self, out: str | None, budget_s: float, device: torch.device) -> None:
+        self.out, self.budget_s, self.t0, self.device = out, budget_s, time.perf_counter(), device
         self.lines: list[str] = []
+        self.section_end = math.inf
+        self.section_notes: list[str] = []
+        self.peak_gib = 0.0   # the run's peak (CUDA), over the sections' own
 
     def emit(self, *lines: str) -> None:
         for line in lines:
@@ -217,12 +251,51 @@ class Report:
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {what}", file=sys.stderr, flush=True)
 
     def time_left(self) -> bool:
-        return time.perf_counter() - self.t0 < self.budget_s
+        now = time.perf_counter()
+        return now - self.t0 < self.budget_s and now < self.section_end
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Run a section within its budget (its share of the global one, never past it); a
+        failure is reported in one Markdown line (traceback on stderr) and the run goes on."""
+        budget = SECTION_BUDGETS_S[name] * self.budget_s / GLOBAL_BUDGET_S
+        start = time.perf_counter()
+        self.section_end = start + budget
+        self.progress(f"section {name}: budget {budget:.0f}s ({self.budget_s - (start - self.t0):.0f}s left "
+                      "in the run)")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        except Exception as exc:   # a first run on new hardware: report it, keep the other sections
+            traceback.print_exc(file=sys.stderr)
+            self.emit("", f"**{name} failed** after {time.perf_counter() - start:.0f}s: "
+                      f"`{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}`")
+        finally:
+            self.section_end = math.inf
+            used = time.perf_counter() - start
+            if self.device.type == "cuda":
+                self.peak_gib = max(self.peak_gib, torch.cuda.max_memory_allocated(self.device) / 2**30)
+            note = f"{name}: {used:.0f}s of its {budget:.0f}s budget, peak memory {peak_memory(self.device)}"
+            self.section_notes.append(note)
+            self.progress(note)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def stop_on_sigterm(self) -> None:
+        """`timeout` (gpu.sh's global deadline) sends SIGTERM: say so in the report, then exit."""
+        def stop(signum, frame) -> None:
+            self.emit("", f"**stopped by the global deadline** after {time.perf_counter() - self.t0:.0f}s "
+                      "(what is above was measured)")
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, stop)
 
 
-def peak_memory(device: torch.device) -> str:
+def peak_memory(device: torch.device, gib: float | None = None) -> str:
+    """The peak since the last reset (CUDA: allocated tensors; gib: this figure instead)."""
     if device.type == "cuda":
-        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+        return f"{(gib if gib is not None else torch.cuda.max_memory_allocated(device) / 2**30):.1f} GiB"
     return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB (CPU: peak resident memory)"
 
 
@@ -246,24 +319,24 @@ def transformers_twin(target: TargetModel, raw: dict):
     return hf.eval().requires_grad_(False)
 
 
-def decode_rate(run: Callable[[int], list[int]], new_tokens: int, timer: Timer, repeats: int
+def decode_rate(run: Callable[[int], list[int]], new_tokens: int, rows: int, timer: Timer, repeats: int
                 ) -> tuple[float, list[int]]:
-    """Decode tok/s = (N - 1) / (t(N) - t(1)) (t(1) is the prefill and its first token), medians of
-    `repeats` after one warm-up each (compilation, graph capture); also the N tokens."""
+    """Decode tok/s = rows x (N - 1) / (t(N) - t(1)) (t(1) is the prefill and its first token),
+    medians of `repeats` after one warm-up each (compilation, graph capture); also row 0's N tokens."""
     tokens = run(new_tokens)
     run(1)
     full = statistics.median(timer.once(lambda: run(new_tokens)) for _ in range(repeats))
     prefill = statistics.median(timer.once(lambda: run(1)) for _ in range(repeats))
-    return (new_tokens - 1) / max(full - prefill, 1e-9), tokens
+    return rows * (new_tokens - 1) / max(full - prefill, 1e-9), tokens
 
 
-def ar_section(target: TargetModel, raw: dict, contexts: list[int], new_tokens: int, timer: Timer,
+def ar_section(target: TargetModel, raw: dict, cells: list[tuple[int, int]], new_tokens: int, timer: Timer,
                smoke: bool, report: Report) -> None:
-    report.emit("", "**AR decode at batch 1** (greedy; blockspec `generate`, `GenerateOptions(compile=True)`: "
+    report.emit("", "**AR decode** (greedy; blockspec `generate`, `GenerateOptions(compile=True)`: "
                 "captured rounds; transformers `generate`, static cache, auto-compiled, sdpa; same weight tensors; "
-                "both attend over the same static cache length)", "",
-                "| context | blockspec tok/s | transformers tok/s | blockspec / transformers | same tokens as "
-                "transformers for the first |", "|---|---|---|---|---|")
+                "both attend over the same static cache length; tok/s over all rows)", "",
+                "| context | batch | blockspec tok/s | transformers tok/s | blockspec / transformers | row 0 the same "
+                "as transformers for the first |", "|---|---|---|---|---|---|")
     try:
         hf = transformers_twin(target, raw)
     except ImportError as exc:   # an optional extra: blockspec's own figure is still worth having
@@ -271,33 +344,41 @@ def ar_section(target: TargetModel, raw: dict, contexts: list[int], new_tokens: 
         hf = None
     gen = torch.Generator().manual_seed(0)
     repeats = 1 if smoke else 3
-    for context in contexts:
+    for context, batch in cells:
         if not report.time_left():
-            report.emit(f"| {context} | skipped: time budget | | | |")
+            report.emit(f"| {context} | {batch} | skipped: time budget | | | |")
             continue
-        report.progress(f"AR decode, context {context}")
-        prompt = torch.randint(0, target.config.vocab_size, (context,), generator=gen).tolist()
+        report.progress(f"AR decode, context {context}, batch {batch}")
+        prompts = torch.randint(0, target.config.vocab_size, (batch, context), generator=gen).tolist()
         # The static length blockspec's captured AR round uses (a power of two), given to transformers too.
         cache_len = max(256, 1 << (context + new_tokens + 2 - 1).bit_length())
-        ids = torch.tensor([prompt], device=target.device)
+        ids = torch.tensor(prompts, device=target.device)
 
         def ours(n: int) -> list[int]:
-            out = generate(target, [prompt], SamplingParams(max_new_tokens=n, ignore_eos=True),
+            out = generate(target, prompts, SamplingParams(max_new_tokens=n, ignore_eos=True),
                            options=GenerateOptions(compile=not smoke))
             return out.completions[0].tokens
 
         def theirs(n: int) -> list[int]:
-            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              cache_implementation="static", max_cache_len=cache_len)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, cache_implementation="static", max_cache_len=cache_len)
             return out[0, context:].tolist()
 
-        ours_rate, ours_tokens = decode_rate(ours, new_tokens, timer, repeats)
+        ours_rate, ours_tokens = decode_rate(ours, new_tokens, batch, timer, repeats)
         if hf is None:
-            report.emit(f"| {context} | {ours_rate:.1f} | | | |")
+            report.emit(f"| {context} | {batch} | {ours_rate:.1f} | | | |")
             continue
-        theirs_rate, theirs_tokens = decode_rate(theirs, new_tokens, timer, repeats)
+        if not report.time_left():   # compiling transformers' model for a new shape takes about a minute
+            report.emit(f"| {context} | {batch} | {ours_rate:.1f} | skipped: time budget | | |")
+            continue
+        try:
+            theirs_rate, theirs_tokens = decode_rate(theirs, new_tokens, batch, timer, repeats)
+        except Exception as exc:   # the baseline's failure must not hide blockspec's figure
+            traceback.print_exc(file=sys.stderr)
+            report.emit(f"| {context} | {batch} | {ours_rate:.1f} | failed: `{type(exc).__name__}` | | |")
+            continue
         same = next((i for i, (a, b) in enumerate(zip(ours_tokens, theirs_tokens)) if a != b), len(ours_tokens))
-        report.emit(f"| {context} | {ours_rate:.1f} | {theirs_rate:.1f} | {ours_rate / theirs_rate:.2f}x | "
+        report.emit(f"| {context} | {batch} | {ours_rate:.1f} | {theirs_rate:.1f} | {ours_rate / theirs_rate:.2f}x | "
                     f"{same} of {new_tokens} tokens |")
     release_captured(target)
 
@@ -383,14 +464,24 @@ def round_section(target: TargetModel, drafts: dict[str, DraftModel], contexts: 
 # -- 3. engine throughput with simulated acceptance ---------------------------------
 
 def run_engine(target: TargetModel, draft: DraftModel | None, method: str, prompts: list[list[int]], conc: int,
-               new_tokens: int, table=None) -> tuple[float, float]:
-    """(generated tok/s, tau) of one engine over `prompts`, acceptance forced to SIM_TAU."""
+               new_tokens: int, table, smoke: bool) -> tuple[float, float, int]:
+    """(generated tok/s, tau, slots) of one captured engine over `prompts`, acceptance forced to
+    SIM_TAU. A first batch of `conc` short requests runs untimed in the same engine: the steps of
+    its row bucket and widths are recorded then (CUDA graphs), as a server's first requests would."""
     policy = PolicyOptions(adapt=False, scheduled=table is not None, cost_table=table)
+    # --smoke: the static-shape steps run uncompiled (inductor on 2 CPU cores would take minutes).
+    options = EngineOptions(compile=True, capture_mode="eager" if smoke else None)
     engine = Engine(target, draft, method=method, max_running=conc,
-                    max_model_len=max(map(len, prompts)) + new_tokens + 64, policy=policy)
+                    max_model_len=max(map(len, prompts)) + new_tokens + 64, policy=policy, options=options)
     if draft is not None:
         engine.forwards = ForcedAcceptance(engine.forwards, accept_pattern(SIM_TAU, draft.config.num_drafts))
+    for p in prompts[:conc]:
+        engine.submit(p, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.run_until_done()
+    before = engine.metrics()
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for p in prompts:
         engine.submit(p, params)
@@ -399,7 +490,10 @@ def run_engine(target: TargetModel, draft: DraftModel | None, method: str, promp
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     m = engine.metrics()
-    return m["generated_tokens"] / elapsed, m["tau"]
+    generated = m["generated_tokens"] - before["generated_tokens"]
+    rounds = m["request_rounds"] - before["request_rounds"]
+    accepted = m["drafts_accepted"] - before["drafts_accepted"]
+    return generated / elapsed, (accepted + rounds) / max(rounds, 1), engine.rows
 
 
 def engine_section(target: TargetModel, dflash: DraftModel, dspark: DraftModel, concurrency: list[int],
@@ -413,26 +507,32 @@ def engine_section(target: TargetModel, dflash: DraftModel, dspark: DraftModel, 
     arms = {"AR": (None, "ar", None), "DFlash": (dflash, "dflash", None), "DSpark scheduled": (dspark, "dspark", table)}
     report.emit("", f"**Engine throughput with SIMULATED acceptance** (tau {SIM_TAU} imposed: NOT lossless; "
                 f"prompts of {prompt_len} random tokens, {new_tokens} new tokens each, max(2, 2 x concurrency) "
-                "requests; continuous batching, packed verify; tok/s (tau))", "",
+                "requests; continuous batching, rounds on captured steps (`EngineOptions(compile=True)`), "
+                "ragged verify padded to its width bucket; cost table profiled with eager packed forwards; "
+                "tok/s (tau))", "",
                 "| concurrency | " + " | ".join(arms) + " | DFlash / AR | DSpark scheduled / AR |",
                 "|---" * (len(arms) + 3) + "|")
     gen = torch.Generator().manual_seed(1)
     vocab = target.config.vocab_size
-    warm = torch.randint(0, vocab, (2, prompt_len), generator=gen).tolist()
-    for draft, method, tab in arms.values():   # lazy initialisations (kernels, compiled attention) untimed
-        run_engine(target, draft, method, warm, 2, 4, tab)
     for conc in concurrency:
         if not report.time_left():
             report.emit(f"| {conc} | skipped: time budget |" + " |" * (len(arms) + 1))
             continue
         report.progress(f"engine, concurrency {conc}")
         prompts = torch.randint(0, vocab, (max(2, 2 * conc), prompt_len), generator=gen).tolist()
-        cells = {name: run_engine(target, d, m, prompts, conc, new_tokens, tab) for name, (d, m, tab) in arms.items()}
+        cells = {}
+        for name, (d, m, tab) in arms.items():
+            cells[name] = run_engine(target, d, m, prompts, conc, new_tokens, tab, smoke)
+            gc.collect()   # the engine's KV pool and graphs go before the next one plans its memory
+            if target.device.type == "cuda":
+                torch.cuda.empty_cache()
         ar = cells["AR"][0]
-        row = [f"{cells['AR'][0]:.1f}"] + [f"{tps:.1f} ({tau:.2f})" for name, (tps, tau) in cells.items()
+        slots = {rows for _, _, rows in cells.values()}
+        row = [f"{cells['AR'][0]:.1f}"] + [f"{tps:.1f} ({tau:.2f})" for name, (tps, tau, _) in cells.items()
                                             if name != "AR"]
         row += [f"{cells['DFlash'][0] / ar:.2f}x", f"{cells['DSpark scheduled'][0] / ar:.2f}x"]
-        report.emit(f"| {conc} | " + " | ".join(row) + " |")
+        note = "" if slots == {conc} else f" (slots: {sorted(slots)}: fewer fit)"
+        report.emit(f"| {conc}{note} | " + " | ".join(row) + " |")
 
 
 # -- main ---------------------------------------------------------------------------
@@ -448,9 +548,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: gpu_bench needs a CUDA GPU and torch sees none (torch.cuda.is_available() is False); "
               "--smoke rehearses it on the CPU", file=sys.stderr)
         return 2
+    cells = ar_cells(args.ar_cells)
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    report = Report(args.out, args.budget_s)
+    report = Report(args.out, args.budget_s, device)
+    report.stop_on_sigterm()
     report.progress("building the models")
     t0 = time.perf_counter()
     target, dflash, dspark = build_models(args.smoke, device, dtype)
@@ -465,14 +567,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{dflash.config.block_size}; DSpark draft {dspark.config.num_hidden_layers} layers, gamma "
                 f"{dspark.config.block_size}, Markov rank {dspark.config.markov_rank}; timings: median of "
                 f"{args.iters} after {args.warmup} warm-up")
-    # The round costs first: the cheapest section and the issue's main goal (compiling transformers'
-    # model takes the longest, and a section past the time budget is skipped).
-    round_section(target, {"DFlash": dflash, "DSpark": dspark}, contexts, batches, timer, args.smoke, report)
-    ar_section(target, SMOKE_TARGET if args.smoke else QWEN3_8B, contexts, args.new_tokens, timer, args.smoke,
-               report)
-    engine_section(target, dflash, dspark, concurrency, args.new_tokens, min(contexts), args.smoke, report)
-    report.emit("", f"peak memory: {peak_memory(device)} (weights {weights_gib:.1f} GiB); "
-                f"total {time.perf_counter() - report.t0:.0f}s")
+    # The round costs first: the cheapest section and the issue's main goal; the captured engine
+    # next; AR against transformers last (compiling transformers' model takes the longest).
+    with report.section("round costs"):
+        round_section(target, {"DFlash": dflash, "DSpark": dspark}, contexts, batches, timer, args.smoke, report)
+    with report.section("engine"):
+        engine_section(target, dflash, dspark, concurrency, args.new_tokens, min(contexts), args.smoke, report)
+    with report.section("AR decode"):
+        ar_section(target, SMOKE_TARGET if args.smoke else QWEN3_8B, cells, args.new_tokens, timer, args.smoke,
+                   report)
+    report.emit("", f"peak memory: {peak_memory(device, report.peak_gib or None)} (weights {weights_gib:.1f} GiB; per section: "
+                + "; ".join(report.section_notes) + f"); total {time.perf_counter() - report.t0:.0f}s")
     return 0
 
 
