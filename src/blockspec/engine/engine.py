@@ -105,6 +105,18 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, max
     return prompt
 
 
+def round_strategy(slots: SlotPool, options: EngineOptions
+                   ) -> tuple[CapturedSteps | None, Forwards, DraftContext | None]:
+    """(captured runner, forwards, draft context) of the engine's rounds: packed eager forwards
+    with the pool's buffered context, or captured steps on the pool's own buffers (which the
+    pool moves in place, so graphs keep their addresses) appending every round's context."""
+    if not options.compile:
+        return None, PackedForwards(), slots.pending
+    captured = CapturedSteps(slots.target, slots.draft, mode=options.capture_mode)
+    captured.adopt(slots.cache, slots.draft_cache)
+    return captured, captured.forwards(), captured.context() if slots.draft is not None else None
+
+
 def request_sampler(reqs: list[Any], target: TargetModel) -> RowSampler:
     """The rows' sampler: their parameters, own generators and (for penalties) token histories."""
     return RowSampler.from_params([r.params for r in reqs], target.device, [r.generator for r in reqs],
@@ -136,15 +148,8 @@ class Engine:
         self.memory_plan = plan_for_models(target, self.draft, max_running, max_model_len, options.kv_memory_gb,
                                            options.gpu_memory_utilization)
         self.max_model_len = self.memory_plan.max_model_len
-        self.captured = (CapturedSteps(target, self.draft, mode=options.capture_mode) if options.compile
-                         else None)
-        self.slots = SlotPool(target, self.draft, self.memory_plan, buffered=self.captured is None)
-        self.forwards: Forwards = PackedForwards()
-        self.context: DraftContext | None = self.slots.pending
-        if self.captured is not None:   # the steps run on the pool's buffers, which never move
-            self.captured.adopt(self.slots.cache, self.slots.draft_cache)
-            self.forwards = self.captured.forwards()
-            self.context = self.captured.context() if self.draft is not None else None
+        self.slots = SlotPool(target, self.draft, self.memory_plan, buffered=not options.compile)
+        self.captured, self.forwards, self.context = round_strategy(self.slots, options)
         self.stats = EngineStats(speculative=self.draft is not None)
         self.chunks = ChunkedPrefill(target, self.draft, self.slots, self.stats, chunk)
         self._lock = threading.Lock()        # queue, cancellations, live requests
