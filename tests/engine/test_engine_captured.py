@@ -42,10 +42,11 @@ def target64():
     return make_target(dtype=torch.float64)
 
 
-def engine(target, config: str, captured: bool, max_running: int = 3, chunk: int | None = None) -> Engine:
-    """The config's engine, eager (packed forwards) or on captured steps run uncaptured."""
-    options = EngineOptions(compile=captured, capture_mode="eager" if captured else None,
-                            prefill_chunk_tokens=chunk)
+def engine(target, config: str, captured: bool, max_running: int = 3, chunk: int | None = None,
+           mode: str | None = "eager") -> Engine:
+    """The config's engine, eager (packed forwards) or on captured steps run as `mode` says
+    (default: uncaptured; None: the device's default)."""
+    options = EngineOptions(compile=captured, capture_mode=mode if captured else None, prefill_chunk_tokens=chunk)
     kw = dict(max_running=max_running, max_model_len=80, options=options)
     if config == "ar":
         return Engine(target, method="ar", policy=PolicyOptions(adapt=False), **kw)
@@ -110,7 +111,14 @@ def test_captured_engine_equals_the_eager_engine(monkeypatch, target64, config):
         return real_packed(*args, **kwargs)
 
     monkeypatch.setattr(target64, "forward_packed", forward_packed)
+    shapes = []   # (running rows, a prompt in chunked prefill) of every round
+    real_round = eng._round
+    monkeypatch.setattr(eng, "_round", lambda: shapes.append((len(eng._running), eng.chunks.req is not None))
+                        or real_round())
     assert drive(eng, work, seed=7) == eager
+    # 3 rows ran in bucket 4 while the 4th row held a prompt being chunk-prefilled: that padding
+    # row's committed K/V survived the steps' writes (its request's tokens above equal AR's).
+    assert (3, True) in shapes
     for i, (prompt, params) in enumerate(work):
         alone = generate(target64, [prompt], params).completions[0].tokens
         assert eager[i] == (alone[:len(eager[i])] if i == CANCELLED else alone), i
@@ -266,3 +274,15 @@ def test_serve_compile_flag():
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
     assert p.parse_args(["--compile"]).compile and not p.parse_args([]).compile
+
+
+@pytest.mark.slow
+def test_compiled_captured_engine_equals_eager():
+    """The CPU default of `serve --compile`: the steps compiled by inductor, same greedy tokens
+    as the eager engine (DFlash, rows arriving and leaving, float32)."""
+    target = make_target()
+    work = [(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS[:5], MAX_NEW[:5])]
+    eager = drive(engine(target, "dflash", False), work, seed=3)
+    eng = engine(target, "dflash", True, mode=None)
+    assert eng.captured.mode == "compile"
+    assert drive(eng, work, seed=3) == eager
