@@ -49,6 +49,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -61,6 +62,7 @@ from blockspec.decoding.cost_table import ProfileOptions, profile_cost_table
 from blockspec.decoding.generate import GenerateOptions, generate
 from blockspec.decoding.policy import PolicyOptions
 from blockspec.decoding.sampling import RowSampler
+import blockspec.engine.engine as engine_module
 from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.models.draft import DraftModel
 from blockspec.models.layers import rope_inv_freq
@@ -558,6 +560,51 @@ def engine_section(target: TargetModel, dflash: DraftModel, dspark: DraftModel, 
         row += [f"{cells['DFlash'][0] / ar:.2f}x", f"{cells['DSpark scheduled'][0] / ar:.2f}x"]
         note = "" if slots == {conc} else f" (slots: {sorted(slots)}: fewer fit)"
         report.emit(f"| {conc}{note} | " + " | ".join(row) + " |")
+    if not report.time_left():
+        return
+    report.progress("engine: host synchronisations per round")
+    counted = {name: round_syncs(target, d, m, prompt_len, tab, smoke) for name, (d, m, tab) in arms.items()}
+    report.emit("", "Host synchronisations per steady engine round (4 running requests; "
+                "`torch.cuda.set_sync_debug_mode`, which flags every synchronising CUDA call; the goal: the "
+                "outcome's one read, DSpark's planner adding its copy of the confidences): "
+                + ", ".join(f"{name} {n}" for name, n in counted.items()))
+
+
+def round_syncs(target: TargetModel, draft: DraftModel | None, method: str, prompt_len: int, table,
+                smoke: bool) -> str:
+    """Synchronising CUDA calls per engine round (`speculative_round`), over 5 rounds after the steps
+    are recorded (CPU: not measurable here; tests/engine/test_engine_captured.py counts host reads)."""
+    if target.device.type != "cuda":
+        return "n/a (CPU)"
+    policy = PolicyOptions(adapt=False, scheduled=table is not None, cost_table=table)
+    engine = Engine(target, draft, method=method, max_running=4, max_model_len=prompt_len + 96, policy=policy,
+                    options=EngineOptions(compile=True))
+    gen = torch.Generator().manual_seed(2)
+    for p in torch.randint(0, target.config.vocab_size, (4, prompt_len), generator=gen).tolist():
+        engine.submit(p, SamplingParams(max_new_tokens=64, ignore_eos=True))
+    for _ in range(3):   # admission, then rounds that record the steps
+        engine.step()
+    rounds = engine.metrics()["rounds"]
+    real = engine_module.speculative_round
+
+    def watched(*args, **kwargs):   # the round alone (not the engine's bookkeeping between rounds)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return real(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine_module.speculative_round = watched
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(5):
+                engine.step()
+    finally:
+        engine_module.speculative_round = real
+    done = engine.metrics()["rounds"] - rounds
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    engine.shutdown(drain=False)
+    return f"{len(syncs) / max(done, 1):.1f}"
 
 
 # -- main ---------------------------------------------------------------------------

@@ -251,8 +251,8 @@ class Forwards:
         probs = proposal.probs if proposal is not None else None
         g = self.width(drafts, num_drafts)
         drafts, probs = drafts[:, :g], None if probs is None else probs[:, :g]
-        if num_drafts is not None:   # planned on the host: one small copy, no wait
-            num_drafts = num_drafts.to(drafts.device)
+        if num_drafts is not None:   # planned on the host: one small copy that waits for nothing
+            num_drafts = num_drafts.to(drafts.device, non_blocking=True)
         raw, features = self.target_forward(target, cache, anchors, drafts, num_drafts, capture)
         logits = sampler.adjusted(raw, drafts)   # penalties: the target's distribution itself changes
         verdict = self.verdict(logits, drafts, probs, sampler, num_drafts, rule)
@@ -446,7 +446,7 @@ def _outcome_lists(verdict: Verdict, proposal: Proposal | None, lens: torch.Tens
     if proposal is not None:
         parts.append(proposal.tokens)
     if lens is not None:   # (planned on the host: copied to the device to travel back with the rest)
-        parts.append(lens.to(verdict.accepted.device).view(rows, 1))
+        parts.append(lens.to(verdict.accepted.device, non_blocking=True).view(rows, 1))
     host = torch.cat([p.to(torch.long) for p in parts], dim=1).tolist()
     accepted, bonus = [h[0] for h in host], [h[1] for h in host]
     drafted = [h[2:2 + g] for h in host]
