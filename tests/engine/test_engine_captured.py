@@ -23,8 +23,9 @@ from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import generate
 from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
+from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.serving.server import add_serve_arguments
-from conftest import make_draft, make_target
+from conftest import make_draft, make_eagle3, make_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [4, 4, 4, 4],
            [20, 21, 22], [30, 31, 32, 33, 34, 35], [40, 2]]
@@ -205,7 +206,7 @@ HOST_BORN = {("__int__", "verified_width"),   # verify lengths, planned on the h
              ("tolist", "_dense_upto")}       # the cost table
 # Device reads beyond the outcome, DSpark only: the early stop of drafting (fewer than 8 rows,
 # one per drafted slot) and the policy's learning from the confidences (after the outcome).
-DSPARK_READS = {("__bool__", "_markov_drafts"), ("cpu", "observe")}
+DSPARK_READS = {("__bool__", "markov_drafts"), ("cpu", "observe")}
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -267,6 +268,9 @@ def test_pool_buffers_are_the_steps_buffers(target64):
         EngineOptions(compile=True, capture_mode="fast")
     with pytest.raises(BlockspecError, match="CUDA only"):
         Engine(target64, method="ar", options=EngineOptions(compile=True, capture_mode="graphs"))
+    eagle3 = Eagle3Drafter.pair(make_eagle3(target64), target64, 3)
+    with pytest.raises(BlockspecError, match="EAGLE-3"):
+        Engine(target64, eagle3, "eagle3", policy=PolicyOptions(adapt=False), options=EngineOptions(compile=True))
 
 
 def test_serve_compile_flag():

@@ -41,7 +41,7 @@ from blockspec.engine.prefill_chunks import ChunkedPrefill, chunk_size
 from blockspec.engine.slots import SlotPool
 from blockspec.engine.stats import EngineStats
 from blockspec.errors import BlockspecError
-from blockspec.models.chain_draft import AnyDraft
+from blockspec.models.chain_draft import AnyDraft, Eagle3Drafter
 from blockspec.models.target import TargetModel
 
 __all__ = ["Engine", "EngineOptions", "RequestHandle", "RequestOutput"]
@@ -112,6 +112,8 @@ def round_strategy(slots: SlotPool, options: EngineOptions
     pool moves in place, so graphs keep their addresses) appending every round's context."""
     if not options.compile:
         return None, PackedForwards(), slots.pending
+    if isinstance(slots.draft, Eagle3Drafter):
+        raise BlockspecError("compile (captured static steps) does not run EAGLE-3 chains yet; drop --compile")
     captured = CapturedSteps(slots.target, slots.draft, mode=options.capture_mode)
     captured.adopt(slots.cache, slots.draft_cache)
     return captured, captured.forwards(), captured.context() if slots.draft is not None else None
