@@ -40,6 +40,13 @@ def test_corpus_without_train_split_is_refused(tmp_path, corpus):
         load_prompts(str(tmp_path), Tokenizer(corpus / "target"), 4)
 
 
+def test_a_corpus_of_only_short_files_is_refused_not_looped_over(tmp_path, corpus):
+    """Every file shorter than a prompt window: the draw used to loop forever (calibrate hung)."""
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": f"w{i} w{i + 1}"}) + "\n" for i in range(5)))
+    with pytest.raises(BlockspecError, match="no file in .* is longer than 80 tokens"):
+        load_prompts(str(tmp_path), Tokenizer(corpus / "target"), 4)
+
+
 def test_jsonl_prompts_keep_bos_when_cut_and_chat_rows_get_no_second_one(tmp_path):
     from chat_helpers import CHATS, write_chat_tokenizer
     tok = Tokenizer(write_chat_tokenizer(tmp_path / "tok", "mistral"))

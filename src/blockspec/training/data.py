@@ -35,13 +35,16 @@ def load_prompts(source: str, tokenizer: Tokenizer, limit: int, seed: int = 0,
         if not corpus.is_file():
             raise BlockspecError(f"prompts: {path} has no train.jsonl")
         texts = [json.loads(line)["text"] for line in corpus.open()]
-        prompts, encoded = [], {}
+        prompts, encoded, short = [], {}, set()
         while len(prompts) < limit:
             k = rng.randrange(len(texts))   # same draws as rng.choice: prompt sets stay reproducible
             if k not in encoded:            # a file is encoded once however often it is drawn
                 encoded[k] = tokenizer.encode(texts[k])
             ids = encoded[k]
             if len(ids) <= min_tokens + 64:
+                short.add(k)
+                if len(short) == len(texts):   # every file drawn and none long enough: it would loop forever
+                    raise BlockspecError(f"prompts: no file in {corpus} is longer than {min_tokens + 64} tokens")
                 continue
             start = rng.randrange(0, len(ids) - min_tokens - 64)
             length = rng.randint(min_tokens, max_tokens)
