@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow bench-ar bench-draft clean
+.PHONY: install demo test test-slow bench-ar bench-draft vllm-peer clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,8 +27,12 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+# The real vLLM (CPU build) in .venv-vllm, for benchmarks/vllm_peer.py and the `vllm` tests (make test-slow).
+vllm-peer:
+	bash benchmarks/vllm_peer_env.sh .venv-vllm
+
 bench-ar: $(STAMP)
 	$(BIN)/python benchmarks/ar_vs_transformers.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) .venv-vllm build dist src/*.egg-info

@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from blockspec import __version__, embedded
 from blockspec.bench.cli import add_bench_parser
 from blockspec.config import SamplingParams
@@ -23,7 +25,7 @@ from blockspec.decoding.policy import PolicyOptions
 from blockspec.decoding.cost_table import ProfileOptions, profile_cost_table
 from blockspec.decoding.output import TextTracker
 from blockspec.errors import BlockspecError
-from blockspec.interop import ENGINES, EngineCompatibilityWarning, launch_line, mask_token_of
+from blockspec.interop import ENGINES, HOSTS, EngineCompatibilityWarning, launch_line, mask_token_of
 from blockspec.loading import draft_method, load_drafts, load_models
 from blockspec.models.checkpoint import load_draft, load_target, save_draft
 from blockspec.options import (add_adapt_flag, add_chat_template_flag, add_compile_flag, add_dataclass_flags,
@@ -166,7 +168,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 def cmd_launch_line(args: argparse.Namespace) -> None:
     """Print the command that serves a draft with vLLM, SGLang or blockspec (notes on stderr)."""
-    line = launch_line(args.draft, args.engine, target=args.target, scheduled=args.scheduled)
+    host = args.host if args.host != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    line = launch_line(args.draft, args.engine, target=args.target, scheduled=args.scheduled, host=host)
     for note in line.notes:
         print(f"note: {note}", file=sys.stderr)
     if line.problems:
@@ -275,6 +278,9 @@ def _add_launch_line(sub: Any) -> None:
                    help="target directory: checks the pair and puts it in the line (else the placeholder TARGET)")
     p.add_argument("--scheduled", action="store_true",
                    help="confidence-based verification (blockspec --scheduled; vLLM enable_adaptive_verification)")
+    p.add_argument("--host", choices=("auto", *HOSTS), default="auto",
+                   help="the machine the engine runs on (auto: this one): on a CPU host vLLM's line is the form its "
+                        "CPU build starts")
     p.set_defaults(func=cmd_launch_line)
 
 

