@@ -21,16 +21,17 @@ from blockspec import __version__, embedded
 from blockspec.bench.cli import add_bench_parser
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import GenerateOptions, generate
-from blockspec.decoding.policy import PolicyOptions
+from blockspec.decoding.policy import PolicyOptions, RoundPolicy
 from blockspec.decoding.cost_table import ProfileOptions, profile_cost_table
 from blockspec.decoding.output import TextTracker
+from blockspec.decoding.table_cache import cached_cost_table, cached_keys, table_key, table_path
 from blockspec.errors import BlockspecError
 from blockspec.interop import ENGINES, HOSTS, EngineCompatibilityWarning, launch_line, mask_token_of
 from blockspec.loading import draft_method, load_drafts, load_models
 from blockspec.models.checkpoint import load_draft, load_target, save_draft
-from blockspec.options import (add_adapt_flag, add_chat_template_flag, add_compile_flag, add_dataclass_flags,
-                               add_dtype_flag, add_load_flags, add_model_flags, add_rule_flag, add_target_flag,
-                               dataclass_from_args, load_options)
+from blockspec.options import (add_chat_template_flag, add_compile_flag, add_dataclass_flags, add_dtype_flag,
+                               add_load_flags, add_model_flags, add_policy_flags, add_rule_flag, add_target_flag,
+                               dataclass_from_args, load_options, policy_options)
 from blockspec.serving.server import add_serve_parser
 from blockspec.training.calibrate import collect_rollouts, fit_sts, save_temperatures
 from blockspec.training.corpus import build_corpus, train_tokenizer
@@ -77,13 +78,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
         sys.stdout.write(stream.push(tokens, final=False)[1])
         sys.stdout.flush()
 
+    # Built before the clock starts: a first measurement of the cost table (announced on
+    # stderr) is setup, not decoding speed.
+    policy = RoundPolicy.of(PolicyOptions(**policy_options(args)), models.target, models.draft, args.method)
     if args.compile:
         print("[compile] compiling the decoding steps (torch.compile, once per process; tens of seconds on a "
               "small CPU) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     out = generate(models.target, [prompt_ids], params, draft=models.draft, method=args.method, rule=args.rule,
-                   policy=PolicyOptions(adapt=args.adapt),
-                   options=GenerateOptions(on_tokens=on_tokens, compile=args.compile))
+                   policy=policy, options=GenerateOptions(on_tokens=on_tokens, compile=args.compile))
     elapsed = time.perf_counter() - t0
     sys.stdout.write(stream.push([], final=True)[1] + "\n")
     if args.stats:
@@ -188,6 +191,16 @@ def cmd_profile(args: argparse.Namespace) -> None:
         draft_dir = embedded.default_draft("dspark") if args.draft == "embedded" else Path(args.draft)
         kind = draft_method(draft_dir)   # an EAGLE-3 draft is timed as chains of each length
         draft = load_drafts(target, {kind: draft_dir}, [kind], allow_nonfinite=opts["allow_nonfinite"])[kind]
+    if args.refresh:
+        if draft is None:
+            raise BlockspecError("profile --refresh re-measures the adaptive policy's cached tables of a model "
+                                 "pair: give --draft DIR (or --draft embedded)")
+        # Every row count cached for this machine and pair (a server's too), else one row.
+        rows = sorted({int(key["rows"]) for key in cached_keys() if key == table_key(target, draft, int(key["rows"]))})
+        tables = {r: cached_cost_table(target, draft, r, refresh=True) for r in rows or [1]}
+        print(json.dumps({"refreshed": [str(table_path(t.meta["key"])) for t in tables.values()],
+                          "rows": list(tables)}))
+        return
     draft_rows = [int(x) for x in args.draft_rows.split(",")] if args.draft_rows else None
     options = ProfileOptions(repeats=args.repeats, rows=args.rows, context=args.context)
     table = profile_cost_table(target, ns, options, draft=draft, draft_rows=draft_rows,
@@ -253,7 +266,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--top-k", type=int, default=None, help="0 = off (default: generation_config.json's, else 0)")
     p.add_argument("--seed", type=int, default=None)
     add_rule_flag(p)
-    add_adapt_flag(p)
+    add_policy_flags(p)
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
     add_compile_flag(p, "AR: torch.compile the decode step; speculative methods: captured static round steps "
                         "(CUDA graphs on a GPU, torch.compile on the CPU); slow first step, faster after")
@@ -298,6 +311,10 @@ def _add_profile(sub: Any) -> None:
                    help="also time draft rounds of this draft ('embedded' = the shipped DSpark draft), so the "
                         "scheduled engine can skip drafting when a plain AR round is faster")
     p.add_argument("--draft-rows", default=None, help="request counts to time draft rounds at (default 1,2,4,8,16,32)")
+    p.add_argument("--refresh", action="store_true",
+                   help="instead: measure again the cost tables the adaptive policy cached for this machine and "
+                        "--draft (every row count cached, else one row), e.g. after they were measured on a busy "
+                        "machine")
     p.set_defaults(func=cmd_profile)
 
 

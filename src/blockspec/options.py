@@ -81,6 +81,26 @@ def add_adapt_flag(p: argparse.ArgumentParser) -> None:
                         "drafts and verifies the full window (fixed-window measurements)")
 
 
+def add_policy_flags(p: argparse.ArgumentParser) -> None:
+    """--adapt, and what the adaptive policy keeps: --policy-memory / --fresh-policy /
+    --remeasure-costs (the `PolicyOptions` fields of `policy_options(args)`)."""
+    add_adapt_flag(p)
+    p.add_argument("--policy-memory", choices=("off", "process", "disk"), default="process",
+                   help="where what the adaptive policy learns (acceptance, measured round costs) is kept for the "
+                        "next call with the same models: process (default), disk (also a JSON file next to the "
+                        "cost tables, for later runs) or off (every call learns from zero)")
+    p.add_argument("--fresh-policy", action="store_true",
+                   help="forget what the policy learned before (in this process and on disk) and start from zero")
+    p.add_argument("--remeasure-costs", action="store_true",
+                   help="measure this machine's verify / draft cost table again instead of reading the cached one")
+
+
+def policy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `PolicyOptions` keywords given by `add_policy_flags`."""
+    return {"adapt": args.adapt, "memory": args.policy_memory, "fresh": args.fresh_policy,
+            "remeasure": args.remeasure_costs}
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--target / --draft / --method / --block-size / --chat-template / --dtype / --device /
     --allow-nonfinite-weights: the arguments of loading.load_models (`load_options(args)` for the last three)."""

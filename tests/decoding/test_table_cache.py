@@ -7,9 +7,13 @@ import json
 import pytest
 import torch
 
-from blockspec.decoding import table_cache
+from blockspec import PolicyOptions
+from blockspec.decoding import cost_table, table_cache
 from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.table_cache import cached_cost_table, profile_points, table_key
+from blockspec.decoding.policy import RoundPolicy
+from blockspec.decoding.round import RoundOutcome
+from blockspec.decoding.table_cache import DRIFT_ROUNDS, cached_cost_table, profile_points, table_key
+from blockspec.errors import BlockspecError
 from conftest import make_draft, make_target
 
 
@@ -114,3 +118,63 @@ def test_eagle3_chains_get_their_own_table_with_draft_times_growing_with_the_cha
     cached_cost_table(target, chain.with_num_drafts(5), rows=1, repeats=1)
     cached_cost_table(target, make_draft(target, "zlab", 8), rows=1, repeats=1)
     assert len(calls) == 3 and "eagle3" in table.meta["key"]["draft"]
+
+
+def test_two_cpu_models_never_share_a_table(fresh, monkeypatch):
+    target = make_target()
+    draft = make_draft(target, "zlab", 4)
+    calls = count_profiles(monkeypatch)
+    monkeypatch.setattr(cost_table, "cpu_model", lambda: "Intel(R) Xeon(R) CPU @ 2.20GHz")
+    xeon = cached_cost_table(target, draft, rows=1, repeats=1)
+    monkeypatch.setattr(cost_table, "cpu_model", lambda: "AMD EPYC 7B13")
+    epyc = cached_cost_table(target, draft, rows=1, repeats=1)
+    assert len(calls) == 2 and len(list((fresh / "cost_tables").glob("*.json"))) == 2
+    assert "Xeon" in xeon.machine and "EPYC" in epyc.machine and xeon.meta["key"] != epyc.meta["key"]
+    monkeypatch.setattr(table_cache, "_MEMO", {})
+    monkeypatch.setattr(cost_table, "cpu_model", lambda: "Intel(R) Xeon(R) CPU @ 2.20GHz")
+    assert cached_cost_table(target, draft, rows=1).machine == xeon.machine and len(calls) == 2
+
+
+def test_the_cpu_model_is_read_from_cpuinfo():
+    name = cost_table.cpu_model()
+    assert isinstance(name, str) and name and name in cost_table.machine_signature("cpu")
+
+
+def test_remeasure_measures_again_with_a_progress_line(fresh, monkeypatch, capsys):
+    target = make_target()
+    draft = make_draft(target, "zlab", 4)
+    calls = count_profiles(monkeypatch)
+    first = cached_cost_table(target, draft, rows=1, repeats=1)
+    err = capsys.readouterr().err
+    assert "measuring" in err and "cost table measured in" in err
+    assert cached_cost_table(target, draft, rows=1) is first and len(calls) == 1
+    again = cached_cost_table(target, draft, rows=1, repeats=1, refresh=True)
+    assert len(calls) == 2 and again is not first and "re-measuring" in capsys.readouterr().err
+    assert cached_cost_table(target, draft, rows=1) is again          # the new table replaces the old one
+    monkeypatch.setattr(table_cache, "_MEMO", {})
+    assert cached_cost_table(target, draft, rows=1).times_s == pytest.approx(again.times_s)
+    # The policy's option: a fresh measurement through the factory.
+    RoundPolicy.for_method(target, draft, "dflash", PolicyOptions(remeasure=True))
+    assert len(calls) == 3
+    with pytest.raises(BlockspecError, match="remeasure-costs"):
+        PolicyOptions(remeasure=True, adapt=False)
+
+
+def test_a_table_that_live_rounds_disprove_is_rescaled_and_written_back(fresh, monkeypatch):
+    target = make_target()
+    draft = make_draft(target, "zlab", 4)
+    policy = RoundPolicy.for_method(target, draft, "dflash", PolicyOptions(memory="off"))
+    table = policy.gate.table
+    before = list(table.times_s)
+    path = next((fresh / "cost_tables").glob("*.json"))
+    ar = RoundOutcome([[]], [0], [0], [0], None, 0, 0)
+    for _ in range(DRIFT_ROUNDS - 1):   # the machine got 3x slower than when the table was measured
+        policy.observe_time(1, ar, 3.0 * table.time(1))
+    assert table.times_s == before                       # not before DRIFT_ROUNDS rounds
+    policy.observe_time(1, ar, 3.0 * table.time(1))
+    assert table.times_s == pytest.approx([3.0 * t for t in before], rel=1e-6)
+    assert policy.gate.cost_ratio(False, 1) == pytest.approx(1.0)   # prices unchanged: ratios follow the table
+    assert CostTable.load(path).times_s == pytest.approx(table.times_s)
+    for _ in range(DRIFT_ROUNDS):                        # now right: left alone
+        policy.observe_time(1, ar, 1.2 * table.time(1))
+    assert table.times_s == pytest.approx([3.0 * t for t in before], rel=1e-6)

@@ -142,6 +142,7 @@ class BenchSetup:
     ignore_eos: bool
     out_dir: Path
     policies: tuple[str, ...] = ("adaptive",)   # speculative arms per draft: "adaptive" and / or "fixed"
+    remeasure_costs: bool = False   # adaptive arms measure their cost table again (before any timing)
 
     def params(self, temperature: float, count: int) -> list[SamplingParams]:
         """Per-prompt sampling settings: one seed per prompt (repeats reuse it and decode the same tokens)."""
@@ -150,10 +151,13 @@ class BenchSetup:
 
 
 def _generate_runner(target: TargetModel, draft: DraftModel | None, method: str, rule: str,
-                     adaptive: bool = False) -> Runner:
+                     adaptive: bool = False, remeasure: bool = False) -> Runner:
     """The product path: `generate` exactly as users call it. adaptive: one adaptive
-    policy learns across the arm's requests, as in a server (fixed: full windows)."""
-    policy = RoundPolicy.for_method(target, draft, method, PolicyOptions(adapt=adaptive), rows=1)
+    policy learns across the arm's requests, as in a server (fixed: full windows); it is
+    built here, before any timing, so measuring its cost table (remeasure: again) never
+    counts in the arm's speed."""
+    options = PolicyOptions(adapt=adaptive, remeasure=remeasure and adaptive and draft is not None)
+    policy = RoundPolicy.for_method(target, draft, method, options, rows=1)
 
     def run(ids: list[int], params: SamplingParams) -> RunRecord:
         out = generate(target, [ids], params, draft=draft, method=method, rule=rule, policy=policy)
@@ -294,7 +298,8 @@ def build_arms(setup: BenchSetup, notes: list[str]) -> list[Arm]:
         for d in drafts:
             if setup.simulate_accept is None:
                 for policy in setup.policies:
-                    runner = _generate_runner(target, d, method, setup.rule, adaptive=policy == "adaptive")
+                    runner = _generate_runner(target, d, method, setup.rule, adaptive=policy == "adaptive",
+                                              remeasure=setup.remeasure_costs)
                     arms.append(Arm(method, runner, d, policy=policy))
                 continue
             try:

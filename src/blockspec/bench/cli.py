@@ -67,6 +67,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--also-fixed", action="store_true",
                    help="also run every speculative method with fixed full windows, next to the adaptive arms")
     p.add_argument("--cost-table", default=None, help="cost table JSON for dspark-scheduled (default: profile now)")
+    p.add_argument("--remeasure-costs", action="store_true",
+                   help="the adaptive arms measure this machine's cached cost table again (before any timing)")
     p.add_argument("--concurrency", type=_csv(int), default=None,
                    help="also measure engine throughput at these concurrency levels, e.g. 1,4,16")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
@@ -99,7 +101,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
                            limit=args.limit, block_sizes=args.block_sizes, repeats=args.repeats, out_dir=args.out,
                            simulate_accept=args.simulate_accept, dtype=args.dtype, device=args.device,
                            seed=args.seed, ignore_eos=args.ignore_eos, rule=args.rule, cost_table=args.cost_table,
-                           concurrency=args.concurrency, progress=args.progress, every=args.every, policies=policies)
+                           concurrency=args.concurrency, progress=args.progress, every=args.every, policies=policies,
+                           remeasure_costs=args.remeasure_costs)
     results = run_bench(target, _draft_dirs(args), args.datasets, options)
     sys.stdout.write(render_markdown(results) + "\n")
     print(f"wrote {Path(args.out) / 'results.json'}, {Path(args.out) / 'results.md'} and "

@@ -255,7 +255,8 @@ class BenchOptions:
     block_sizes: draft block sizes to sweep, each in its draft's own layout convention
     (default: as trained). simulate_accept: impose this tau (NOT lossless). policies: how
     each speculative method runs, "adaptive" (the default policy) and / or "fixed" (full
-    windows). concurrency: engine throughput at these numbers of requests."""
+    windows). concurrency: engine throughput at these numbers of requests.
+    remeasure_costs: the adaptive arms measure this machine's cost table again."""
 
     methods: Sequence[str] | None = None
     temperatures: Sequence[float] = (0.0,)
@@ -275,6 +276,7 @@ class BenchOptions:
     concurrency: Sequence[int] | None = None
     progress: bool = True
     policies: Sequence[str] = ("adaptive",)
+    remeasure_costs: bool = False
 
 
 def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
@@ -305,7 +307,7 @@ def run_bench(target_dir: str | Path, drafts: Mapping[str, str | Path | None],
                        rule=rule, max_model_len=max_model_len, cost_table=o.cost_table,
                        temperatures=[float(t) for t in temperatures], max_new_tokens=max_new_tokens,
                        repeats=repeats, seed=o.seed, ignore_eos=o.ignore_eos, out_dir=Path(o.out_dir),
-                       policies=tuple(policies))
+                       policies=tuple(policies), remeasure_costs=o.remeasure_costs)
     arms = build_arms(setup, notes)
     if simulate_accept is not None:
         notes.append(f"simulated acceptance: tau forced to {simulate_accept} per round; outputs are NOT lossless")

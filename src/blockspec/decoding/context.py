@@ -34,17 +34,29 @@ class PendingContext:
 
     A gated engine runs stretches of AR rounds; projecting each round's one token per
     row into every draft layer's K/V costs a few small GEMMs and KV writes per round.
-    Rows buffer the features here instead and hand them to the draft in one batch:
-    right before they draft, or for everyone when a buffer would overflow. An EAGLE-3
-    draft's context also reads the token after each position: those buffer beside them
-    (`tokens`, when `add` is given them)."""
+    Rows buffer the features here instead and hand them to the draft in one batch,
+    right before they draft. An EAGLE-3 draft's context also reads the token after each
+    position: those buffer beside them (`tokens`, when `add` is given them).
 
-    def __init__(self, draft: AnyDraft, cache: KVCache, capacity: int) -> None:
+    A long AR stretch costs next to nothing: when a row's buffer would overflow it keeps
+    only its `keep` latest features (a bounded buffer, never a flush into the draft) and
+    the row is marked cut; when it drafts again its draft context is rebuilt from that
+    recent window (its draft cache emptied, the window appended at positions 0..: RoPE
+    sees the same relative positions). The draft then sees a shorter context, which may
+    cost acceptance for a few rounds but never correctness: verification alone decides
+    what is committed."""
+
+    def __init__(self, draft: AnyDraft, cache: KVCache, capacity: int, keep: int | None = None) -> None:
         self.draft, self.cache, self.capacity = draft, cache, capacity
         self.window = draft.config.num_drafts
+        self.keep = keep if keep is not None else min(capacity // 2, capacity - self.window - 1)
+        if not 1 <= self.keep <= capacity - self.window - 1:
+            raise BlockspecError(f"pending context: keep must be in 1..{capacity - self.window - 1} for a "
+                                 f"capacity of {capacity}, got {self.keep}")
         self.buf: torch.Tensor | None = None     # [rows, capacity, F], allocated on first use
         self.tokens: torch.Tensor | None = None  # [rows, capacity] the tokens after them (EAGLE-3)
         self.lengths = torch.zeros(cache.rows, dtype=torch.long)
+        self.cut = torch.zeros(cache.rows, dtype=torch.bool)   # the buffer no longer continues the draft context
 
     def add(self, features: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor | None = None) -> None:
         """Row r (of the first features.shape[0]) appends its first counts[r] features (and
@@ -58,18 +70,18 @@ class PendingContext:
             lengths = self.lengths[:r]
             top = int(lengths.max()) + 1
             if top > self.capacity:
-                raise BlockspecError("pending draft context overflow (flush before adding)")  # engine invariant
+                raise BlockspecError("pending draft context overflow (trim before adding)")  # invariant
             at = (torch.arange(r, device=features.device), lengths.to(features.device))
             self.buf[at] = features[:, 0]
             if self.tokens is not None and next_tokens is not None:
                 self.tokens[at] = next_tokens[:, 0]
             lengths += 1
             if self.capacity - top <= self.window:   # the next round could overflow it
-                self.flush(r)
+                self._trim(r)
             return
         counts = counts.to("cpu")
         if int((self.lengths[:r] + counts).max()) > self.capacity:
-            raise BlockspecError("pending draft context overflow (flush before adding)")  # engine invariant
+            raise BlockspecError("pending draft context overflow (trim before adding)")  # invariant
         keep = torch.arange(w).unsqueeze(0) < counts.unsqueeze(1)
         row_idx = torch.arange(r).unsqueeze(1).expand(r, w)[keep]
         col_idx = (self.lengths[:r].unsqueeze(1) + torch.arange(w))[keep]
@@ -79,17 +91,39 @@ class PendingContext:
             self.tokens[at] = next_tokens[keep.to(features.device)]
         self.lengths[:r] += counts
         if self.room(r) <= self.window:   # the next round could overflow it
-            self.flush(r)
+            self._trim(r)
+
+    def _trim(self, rows: int) -> None:
+        """Rows (of the first `rows`) whose buffer could overflow next round keep only their
+        `keep` latest features (and tokens), moved to the buffer's front, and are marked cut."""
+        full = torch.nonzero(self.capacity - self.lengths[:rows] <= self.window).flatten()
+        if full.numel() == 0:
+            return
+        assert self.buf is not None
+        start = self.lengths[full] - self.keep                        # [n] each row's first kept feature
+        cols = start.unsqueeze(1) + torch.arange(self.keep)          # [n, keep]
+        dev = self.buf.device
+        rows_at, cols_at = full.to(dev), cols.to(dev)
+        self.buf[rows_at, :self.keep] = self.buf[rows_at.unsqueeze(1), cols_at]   # gathered copies
+        if self.tokens is not None:
+            self.tokens[rows_at, :self.keep] = self.tokens[rows_at.unsqueeze(1), cols_at]
+        self.lengths[full] = self.keep
+        self.cut[full] = True
 
     def room(self, rows: int) -> int:
         return self.capacity - int(self.lengths[:rows].max()) if rows else self.capacity
 
     def flush(self, rows: int, start: int = 0) -> None:
-        """Append rows start..rows-1's buffered features to their draft context."""
+        """Append rows start..rows-1's buffered features to their draft context; a cut
+        row's draft context is first emptied (rebuilt from its recent window)."""
         n = int(self.lengths[start:rows].max()) if rows > start else 0
         if n == 0:
             return
         assert self.buf is not None
+        cut = torch.nonzero(self.cut[start:rows]).flatten() + start
+        if cut.numel():
+            self.cache.lengths[cut.to(self.cache.lengths.device)] = 0
+            self.cut[cut] = False
         cache, counts = self.cache.slice_rows(start, rows), self.lengths[start:rows].to(self.cache.lengths.device)
         if self.tokens is not None:
             self.draft.append_context(cache, self.buf[start:rows, :n], counts, self.tokens[start:rows, :n])
@@ -99,6 +133,7 @@ class PendingContext:
 
     def clear(self, start: int, stop: int) -> None:
         self.lengths[start:stop] = 0
+        self.cut[start:stop] = False
 
     def swap(self, a: int, b: int) -> None:
         """Exchange rows a and b's buffered features."""
@@ -109,6 +144,7 @@ class PendingContext:
             if self.tokens is not None:
                 self.tokens[ab, :n] = self.tokens[ba, :n]
         self.lengths[ab] = self.lengths[ba]
+        self.cut[ab] = self.cut[ba]
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         if not src:
@@ -120,3 +156,5 @@ class PendingContext:
                 self.tokens[dst, :n] = self.tokens[src, :n]
         self.lengths[dst] = self.lengths[src]
         self.lengths[src] = 0
+        self.cut[dst] = self.cut[src]
+        self.cut[src] = False

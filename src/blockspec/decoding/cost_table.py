@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -45,11 +45,27 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's first "model name", else what `platform` says):
+    two CPUs with as many cores time differently, so cost tables name it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
 def machine_signature(device: torch.device | str) -> str:
+    """What a cost table's timings were measured on: the GPU's name, or the CPU's model,
+    architecture and core count (and torch's version)."""
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda {torch.cuda.get_device_name(device)} torch {torch.__version__}"
-    return f"{device.type} {platform.machine()} {os.cpu_count()} cpus torch {torch.__version__}"
+    return f"{device.type} {cpu_model()} {platform.machine()} {os.cpu_count()} cpus torch {torch.__version__}"
 
 
 def check_points(xs: Any, ys: Any, x_name: str, y_name: str, where: str = "cost table") -> None:
@@ -166,6 +182,17 @@ class CostTable:
             self._dense_list = self._dense.tolist()
         return self._dense
 
+    def rescale(self, factor: float) -> None:
+        """Every time (verify and draft) times `factor`, in place: live rounds showed the
+        machine runs this much slower (> 1) or faster than when the table was measured."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise BlockspecError(f"cost table: a rescale factor must be positive and finite, got {factor!r}")
+        self.times_s = [t * factor for t in self.times_s]
+        self.draft_times_s = [t * factor for t in self.draft_times_s]
+        self.draft_slot_times = {s: [t * factor for t in ts] for s, ts in self.draft_slot_times.items()}
+        self.meta["rescaled"] = float(self.meta.get("rescaled", 1.0)) * factor
+        self._dense, self._dense_list = None, None
+
     @property
     def has_draft_times(self) -> bool:
         return bool(self.draft_rows)
@@ -274,10 +301,14 @@ class ProfileOptions:
     draft_slots: Sequence[int] | None = None
 
 
+# Told (done, total) after each measured point: a caller's progress line.
+Progress = Callable[[int, int], None]
+
+
 @torch.inference_mode()
 def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptions | None = None, *,
                        capture: tuple[int, ...] = (), draft: AnyDraft | None = None,
-                       draft_rows: list[int] | None = None) -> CostTable:
+                       draft_rows: list[int] | None = None, progress: Progress | None = None) -> CostTable:
     """Measure the packed verify forward (`TargetModel.forward_packed`) for each n.
 
     n tokens are spread over min(n, rows) rows, each already holding `context`
@@ -285,7 +316,7 @@ def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptio
     a shared machine noise only ever adds time) and times never fall as n grows (a
     running maximum), so one noisy point cannot make the planner see free tokens. With a
     draft, also the draft round for each of `draft_rows`, over the full block and over
-    shorter blocks."""
+    shorter blocks. progress(done, total): told after each measured point."""
     o = options or ProfileOptions()
     repeats, rows, context, warmup, seed, draft_slots = o.repeats, o.rows, o.context, o.warmup, o.seed, o.draft_slots
     if not ns or repeats < 1 or rows < 1 or context < 0:
@@ -294,6 +325,16 @@ def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptio
     if ns[0] < 1:
         raise BlockspecError("profile_cost_table: every n must be >= 1")
     device = target.device
+    d_rows = sorted(set(int(r) for r in (draft_rows or [1, 2, 4, 8, 16, 32]))) if draft is not None else []
+    window = draft.config.num_drafts if draft is not None else 0
+    slot_counts = sorted(set(int(s) for s in (draft_slots or DRAFT_SLOT_COUNTS) if 1 <= int(s) < window))
+    total = len(ns) + len(d_rows) * (1 + len(slot_counts)) if draft is not None else len(ns)
+    done = [0]
+
+    def advance(points: int = 1) -> None:
+        done[0] += points
+        if progress is not None:
+            progress(done[0], total)
     per_row = max(-(-n // min(n, rows)) for n in ns)   # the most tokens one row receives
     cache = target.new_cache(rows, context + per_row + 1)
     gen = torch.Generator().manual_seed(seed)
@@ -312,18 +353,17 @@ def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptio
             if i >= warmup:
                 samples.append(time.perf_counter() - t0)
         times.append(max(min(samples), times[-1] if times else 0.0))
-    d_rows: list[int] = []
+        advance()
     d_times: list[float] = []
     by_slots: dict[int, list[float]] = {}
-    window = 0
     if draft is not None:
-        d_rows = sorted(set(int(r) for r in (draft_rows or [1, 2, 4, 8, 16, 32])))
         d_times = profile_draft(target, draft, d_rows, repeats=repeats, context=context, warmup=warmup, seed=seed)
-        window = draft.config.num_drafts
-        for s in sorted(set(int(s) for s in (draft_slots or DRAFT_SLOT_COUNTS) if 1 <= int(s) < window)):
+        advance(len(d_rows))
+        for s in slot_counts:
             measured = profile_draft(target, draft, d_rows, repeats=repeats, context=context, warmup=warmup,
                                      seed=seed, block=s)
             by_slots[s] = [min(a, b) for a, b in zip(measured, d_times)]   # never dearer than the full block
+            advance(len(d_rows))
     return CostTable(ns, times, model=model_signature(target), dtype=dtype_name(target.dtype),
                      machine=machine_signature(device),
                      meta={"rows": rows, "context": context, "repeats": repeats, "capture": list(capture)},

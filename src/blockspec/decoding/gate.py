@@ -14,6 +14,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -228,9 +229,10 @@ class DraftGate:
         return best
 
     # -- learning -------------------------------------------------------------------
-    def observe(self, rows: int, drafting_rows: int, block: int, verified_drafts: int, seconds: float) -> None:
+    def observe(self, rows: int, drafting_rows: int, block: int, verified_drafts: int, seconds: float) -> float:
         """A finished round's wall time: `rows` running requests, of which the first
-        `drafting_rows` drafted a block of `block` drafts, verifying `verified_drafts` drafts in all."""
+        `drafting_rows` drafted a block of `block` drafts, verifying `verified_drafts` drafts in all.
+        Returns the round's measured / predicted time."""
         predicted = self.table.time(rows + verified_drafts)
         ratio_sample = seconds / max(predicted + (self.table.draft_time(drafting_rows, block=block)
                                                   if drafting_rows else 0.0), 1e-9)
@@ -241,6 +243,15 @@ class DraftGate:
             self._learn((True, drafting_rows, block), ratio_sample)
         else:
             self._learn((False, rows), ratio_sample)
+        return ratio_sample
+
+    def rescale(self, factor: float) -> None:
+        """The table was rescaled by `factor` (`CostTable.rescale`): every measured / predicted
+        ratio learned against the old table is divided by it, so prices stay as measured."""
+        self._options.clear()
+        for key, samples in self._samples.items():
+            self._samples[key] = deque((x / factor for x in samples), maxlen=RATIO_SAMPLES)
+            self._ratio[key] = statistics.median(self._samples[key])
 
     def _learn(self, key: tuple, sample: float) -> None:
         """Record a measured / predicted sample: each ratio is the median of the last
@@ -276,5 +287,32 @@ class DraftGate:
             sums, weights = self._sums[band], self._weights[band]
             sums[:block] = decay * sums[:block] + total
             weights[:block] = decay * weights[:block] + n
-            # The optimistic prior weighs `prior_rounds` request-rounds of full survival.
-            self.curves[band] = (self.prior_rounds + sums) / (self.prior_rounds + weights)
+            self._refresh_curve(band)
+
+    def _refresh_curve(self, band: int) -> None:
+        # The optimistic prior weighs `prior_rounds` request-rounds of full survival.
+        self.curves[band] = (self.prior_rounds + self._sums[band]) / (self.prior_rounds + self._weights[band])
+
+    # -- what it learned, kept across calls (decoding/policy_memory.py) ---------------
+    def state(self, with_costs: bool = True) -> dict[str, Any]:
+        """Plain JSON-able state: each band's survival sums and exploration schedule, and
+        (with_costs) the measured / predicted round-time samples."""
+        bands = {str(b): {"sums": self._sums[b].tolist(), "weights": self._weights[b].tolist(),
+                          "skipped": self.skipped.get(b, 0), "interval": self.interval.get(b, self.explore_every)}
+                 for b in self._sums}
+        ratios = [[list(key), list(samples)] for key, samples in self._samples.items()] if with_costs else []
+        return {"bands": bands, "ratios": ratios}
+
+    def load_state(self, state: dict[str, Any], with_costs: bool = True) -> None:
+        """Take what `state` learned (a checked `state()`; with_costs: its round-time samples too)."""
+        self._options.clear()
+        for name, band in state["bands"].items():
+            b = int(name)
+            self._sums[b] = torch.tensor(band["sums"], dtype=torch.float64)
+            self._weights[b] = torch.tensor(band["weights"], dtype=torch.float64)
+            self.skipped[b], self.interval[b] = int(band["skipped"]), int(band["interval"])
+            self._refresh_curve(b)
+        if with_costs:
+            for key, samples in state["ratios"]:
+                self._samples[tuple(key)] = deque(samples, maxlen=RATIO_SAMPLES)
+                self._ratio[tuple(key)] = statistics.median(samples)

@@ -36,10 +36,14 @@ __all__ = ["Completion", "GenerateOptions", "GenerationOutput", "RequestStats", 
 
 @dataclass
 class Timing:
+    """Where a call's time went. policy_s: building the policy, a first measurement of
+    the cost table included (`table_cache`): setup, kept out of any decoding speed."""
+
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     rounds: int = 0
+    policy_s: float = 0.0
 
 
 @dataclass
@@ -123,7 +127,9 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     the adaptive policy, i.e. the draft gate per temperature band, DSpark's scheduler,
     the cost table measured once per machine and cached; `PolicyOptions(adapt=False)`:
     every round drafts and verifies the full window), or a `RoundPolicy` to use (and keep
-    learning in), e.g. one shared by successive calls as a server would.
+    learning in). A policy built here starts from what earlier calls with the same models
+    and options learned (`PolicyOptions.memory`) and keeps what it learned when the call
+    ends.
     options: compile, tokenizer, streaming and observers (`GenerateOptions`)."""
     options = options or GenerateOptions()
     method = method or method_of(draft)
@@ -136,11 +142,13 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     for sp in params:
         sp.check_vocab(target.config.vocab_size)
     states = [RequestOutputState(p, target.config.eos_token_id, options.tokenizer) for p in params]
+    t_policy = time.perf_counter()
     policy = RoundPolicy.of(policy, target, draft, method, len(prompts))
+    policy_s = time.perf_counter() - t_policy
     # Rows in temperature-band order (greedy first): a round's drafting rows are a prefix.
     active = sorted(range(len(prompts)), key=lambda i: params[i].band)
     batch = _start(target, draft, [prompts[i] for i in active], [params[i] for i in active], options)
-    timing = Timing(prefill_s=batch.prefill_s)
+    timing = Timing(prefill_s=batch.prefill_s, policy_s=policy_s)
     first = batch.prefilled
     for i, (r, tok) in enumerate(zip(active, batch.inputs.anchors.tolist())):
         if first.prompt_logprobs is not None:
@@ -169,6 +177,7 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
         policy.observe_time(len(active), outcome, time.perf_counter() - t_round)   # bookkeeping included
         if options.observer is not None:
             options.observer.on_round(outcome, active)
+    policy.remember()
     return GenerationOutput([s.completion() for s in states], timing)
 
 

@@ -6,16 +6,20 @@ drafts each row verifies, and what each round teaches.
 online recalibration of the confidence head (`ConfidenceCalibration`) and the
 DSpark early stop. Every decoding path (generate, the engine, the server, the bench)
 builds its policy from one `PolicyOptions` with one factory (`RoundPolicy.for_method`):
-adaptive by default; `PolicyOptions(adapt=False)` is plain speculative decoding (every
+adaptive by default, recalling what earlier calls with the same models learned
+(`policy_memory.PolicyMemory`); the table's cost drift is corrected online
+(`table_cache.CostDrift`); `PolicyOptions(adapt=False)` is plain speculative decoding (every
 row drafts and verifies the full window: `--no-adapt`).
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,11 +27,13 @@ from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.gate import DraftGate
 from blockspec.decoding.planner import plan
 from blockspec.decoding.round import ConfidenceMap, Proposal, RoundOutcome
-from blockspec.decoding.table_cache import cached_cost_table
+from blockspec.decoding.policy_memory import MEMORY_MODES, PolicyMemory, table_signature
+from blockspec.decoding.table_cache import CostDrift, cached_cost_table, table_rows, write_back
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
+log = logging.getLogger(__name__)
 
 class ConfidenceCalibration:
     """Online per-slot rescaling of the confidence head from verified outcomes.
@@ -68,6 +74,13 @@ class ConfidenceCalibration:
         self.accepted[:g] += hit.sum(0).cpu()
         self.expected[:g] += (confidence.double() * at_risk).sum(0).cpu()
 
+    def state(self) -> dict[str, list[float]]:
+        return {"accepted": self.accepted.tolist(), "expected": self.expected.tolist()}
+
+    def load_state(self, state: dict[str, list[float]]) -> None:
+        self.accepted = torch.tensor(state["accepted"], dtype=torch.float64)
+        self.expected = torch.tensor(state["expected"], dtype=torch.float64)
+
 
 
 
@@ -82,7 +95,13 @@ class PolicyOptions:
     draft_gate say otherwise. cost_table: the verify / draft costs to plan with (or its
     JSON file, `blockspec profile`, read when the policy is built);
     min_survival: DSpark's planner floor; gate_feedback: the gate scales the table by
-    measured round times; calibrate: rescale confidences online (scheduled only)."""
+    measured round times; calibrate: rescale confidences online (scheduled only).
+    memory: where what the policy learns is kept for the next policy of the same models
+    and options (`policy_memory`): "process" (the default: later calls in this process
+    start from it), "disk" (also a JSON file next to the cost tables, for later
+    processes) or "off" (every policy starts from zero); fresh: forget what was kept and
+    start from zero (then keep learning); remeasure: measure the cached cost table again
+    (`--remeasure-costs`)."""
 
     adapt: bool = True
     scheduled: bool | None = None
@@ -91,8 +110,16 @@ class PolicyOptions:
     min_survival: float = 0.02
     gate_feedback: bool = True
     calibrate: bool = True
+    memory: str = "process"
+    fresh: bool = False
+    remeasure: bool = False
 
     def __post_init__(self) -> None:
+        if self.memory not in MEMORY_MODES:
+            raise BlockspecError(f"policy memory must be one of {', '.join(MEMORY_MODES)}, got {self.memory!r}")
+        if self.remeasure and (self.cost_table is not None or not self.adapt):
+            raise BlockspecError("--remeasure-costs measures the cached cost table of the adaptive policy; it does "
+                                 "nothing with --cost-table or --no-adapt")
         if self.cost_table is not None and not (self.adapt or self.scheduled or self.draft_gate):
             raise BlockspecError("a cost table is used by the adaptive policy, scheduled verification and the "
                                  "draft gate only; drop --no-adapt or add --scheduled / --draft-gate")
@@ -139,6 +166,8 @@ class RoundPolicy:
         self.calibrations: dict[int, ConfidenceCalibration] = {}   # by temperature band
         self._bands: list[int] = []   # the bands of the rows of the round in progress
         self._drafted_last = True     # the previous round drafted (no AR stretch behind it)
+        self.memory: PolicyMemory | None = None   # where `remember` keeps what it learned
+        self.drift = CostDrift()
 
     @classmethod
     def for_method(cls, target: TargetModel, draft: DraftModel | None, method: str,
@@ -153,7 +182,7 @@ class RoundPolicy:
         speculative = draft is not None and method != "ar"
         if options.adapt and speculative and table is None:
             assert draft is not None
-            table = cached_cost_table(target, draft, rows)
+            table = cached_cost_table(target, draft, rows, refresh=options.remeasure)
         if scheduled is None:
             scheduled = (options.adapt and speculative and method == "dspark" and draft is not None
                          and draft.confidence_head is not None and table is not None)
@@ -169,8 +198,18 @@ class RoundPolicy:
         if table is not None and (scheduled or draft_gate):
             table.check_target(target)
         window = draft.config.num_drafts if speculative and draft is not None else 0
-        return cls(window, table, scheduled=scheduled, gate=draft_gate, min_survival=options.min_survival,
-                   gate_feedback=options.gate_feedback, calibrate=options.calibrate)
+        policy = cls(window, table, scheduled=scheduled, gate=draft_gate, min_survival=options.min_survival,
+                     gate_feedback=options.gate_feedback, calibrate=options.calibrate)
+        if options.memory != "off" and draft is not None and (policy.gate is not None or policy.calibrate):
+            policy.memory = PolicyMemory.of(target, draft, method, table_rows(rows), options_signature(options),
+                                            options.memory)
+            if options.fresh:
+                policy.memory.forget()
+            else:
+                state = policy.memory.recall(window)
+                if state is not None:
+                    policy.load_state(state)
+        return policy
 
     @classmethod
     def of(cls, policy: "RoundPolicy | PolicyOptions | None", target: TargetModel, draft: DraftModel | None,
@@ -268,13 +307,52 @@ class RoundPolicy:
     def observe_time(self, rows: int, outcome: RoundOutcome, seconds: float) -> None:
         """A finished round's wall time, bookkeeping included (the gate's cost feedback).
         The first drafting round after AR rounds appends their buffered draft context: a
-        cost of the AR stretch (steady AR rounds pay it when the buffer fills), not of
-        drafting, so it is left out of that round's time."""
+        cost of the AR stretch, not of drafting, so it is left out of that round's time.
+        A table that rounds show to be off by more than a margin is rescaled and written
+        back to the cache (`CostDrift`)."""
         if self.gate is not None and self.gate_feedback:
             if outcome.drafting_rows and not self._drafted_last:
                 seconds -= outcome.context_s
-            self.gate.observe(rows, outcome.drafting_rows, outcome.block, sum(outcome.verified), seconds)
+            ratio = self.gate.observe(rows, outcome.drafting_rows, outcome.block, sum(outcome.verified), seconds)
+            factor = self.drift.observe(ratio)
+            if factor is not None:
+                log.warning("blockspec: live rounds take %.2fx the cost table's times; rescaling the table "
+                            "(and its cached copy)", factor)
+                self.gate.table.rescale(factor)
+                self.gate.rescale(factor)
+                write_back(self.gate.table)
         self._drafted_last = outcome.drafting_rows > 0
+
+    # -- what it learned, kept across calls ------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """What this policy learned, as plain JSON-able numbers (`policy_memory.check_state`)."""
+        table = self.gate.table if self.gate is not None else self.table
+        return {"window": self.window, "table": table_signature(table),
+                "gate": self.gate.state() if self.gate is not None else None,
+                "calibrations": {str(b): c.state() for b, c in self.calibrations.items()}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Start from what an earlier policy of these models learned (a checked `state()`);
+        its round-time ratios only when they were learned against this very table."""
+        if self.gate is not None and state["gate"] is not None:
+            self.gate.load_state(state["gate"], with_costs=state["table"] == table_signature(self.gate.table))
+        if self.calibrate:
+            for band, cal in state["calibrations"].items():
+                self._calibration(int(band)).load_state(cal)
+
+    def remember(self) -> None:
+        """Keep what this policy learned for the next one of these models (a call ended)."""
+        if self.memory is not None:
+            self.memory.keep(self.state())
+
+
+def options_signature(options: PolicyOptions) -> str:
+    """The options that make two policies learn the same thing (their memory slot)."""
+    table = options.cost_table
+    source = (f"file {Path(table).resolve()}" if isinstance(table, (str, Path))
+              else f"object {id(table)}" if table is not None else "cached")
+    return (f"adapt={options.adapt} scheduled={options.scheduled} gate={options.draft_gate} table={source} "
+            f"min_survival={options.min_survival} feedback={options.gate_feedback} calibrate={options.calibrate}")
 
 
 def measured_survival(g: int, confidence: torch.Tensor | None, verified: torch.Tensor,

@@ -1,12 +1,16 @@
 """The cost table the adaptive policy needs, measured once per machine and model pair.
 
-`cached_cost_table` returns the table for (machine, device, threads, torch, target
-shape, draft shape, dtypes, row count) from the user's cache directory, and
-profiles it the first time (a few seconds for the embedded pair at one row, tens
-of seconds at 32 rows on a small CPU). The key holds everything that changes the
-timings, so another model pair, dtype or device never reuses a table. Measured
-round times refine it online (the gate's measured / predicted ratio,
-`gate.DraftGate.observe`).
+`cached_cost_table` returns the table for (machine: CPU model or GPU name, device,
+threads, torch, target shape, draft shape, dtypes, row count) from the user's cache
+directory, and profiles it the first time, with a progress line on stderr (a few
+seconds for the embedded pair at one row, tens of seconds at 32 rows on a small CPU;
+the caller keeps that time out of any speed it reports). The key holds everything
+that changes the timings, so another model pair, dtype, device or CPU model never
+reuses a table. refresh=True (`--remeasure-costs`, `blockspec profile --refresh`)
+measures again. Measured round times refine it online (the gate's measured /
+predicted ratio, `gate.DraftGate.observe`), and a table that live rounds show to be
+off by more than a margin is rescaled and written back (`write_back`, from the
+policy's `CostDrift`).
 
 Where: $BLOCKSPEC_CACHE_DIR, else $XDG_CACHE_HOME/blockspec, else ~/.cache/blockspec.
 """
@@ -17,10 +21,18 @@ import hashlib
 import json
 import logging
 import os
+import statistics
+import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from blockspec.decoding.cost_table import (DRAFT_SLOT_COUNTS, CostTable, ProfileOptions, dtype_name,
                                            machine_signature, model_signature, profile_cost_table)
@@ -73,33 +85,87 @@ def profile_points(rows: int, window: int) -> tuple[list[int], list[int]]:
     return sorted(ns), sorted(draft_rows)
 
 
-def cached_cost_table(target: TargetModel, draft: AnyDraft, rows: int = 1, *, directory: Path | None = None,
-                      repeats: int = 5) -> CostTable:
-    """The cost table for this machine, model pair and up to `rows` rows (rounded up to a
-    power of two): from the cache,
-    else measured now and saved there (an unwritable cache only logs a warning)."""
+def table_rows(rows: int) -> int:
+    """The row count a table is measured for: a power of two (nearby batch sizes share a
+    table), at most MAX_PROFILED_ROWS (past it the table's last slope continues and
+    measured round times correct it)."""
     if rows < 1:
         raise BlockspecError(f"rows must be >= 1, got {rows}")
-    # A power of two (nearby batch sizes share a table), at most MAX_PROFILED_ROWS: past
-    # it the table's last slope continues and measured round times correct it.
-    rows = min(1 << (rows - 1).bit_length(), MAX_PROFILED_ROWS)
-    key = table_key(target, draft, rows)
+    return min(1 << (rows - 1).bit_length(), MAX_PROFILED_ROWS)
+
+
+def table_path(key: dict[str, str | int], directory: Path | None = None) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    if digest in _MEMO:
-        return _MEMO[digest]
-    path = (directory or cache_dir()) / "cost_tables" / f"{digest}.json"
-    table = _load(path, key)
+    return (directory or cache_dir()) / "cost_tables" / f"{digest}.json"
+
+
+def cached_cost_table(target: TargetModel, draft: AnyDraft, rows: int = 1, *, directory: Path | None = None,
+                      repeats: int = 5, refresh: bool = False) -> CostTable:
+    """The cost table for this machine, model pair and up to `rows` rows (rounded up:
+    `table_rows`): from this process's memory or the cache, else (or with refresh)
+    measured now, announced on stderr, and saved there (an unwritable cache only logs a
+    warning)."""
+    rows = table_rows(rows)
+    key = table_key(target, draft, rows)
+    path = table_path(key, directory)
+    memo = str(path)
+    if memo in _MEMO and not refresh:
+        return _MEMO[memo]
+    table = None if refresh else _load(path, key)
     if table is None:
         ns, draft_rows = profile_points(rows, draft.config.num_drafts)
-        log.warning("blockspec: measuring the verify / draft cost table for this machine and model pair "
-                    "(once; cached at %s)", path)
         options = ProfileOptions(repeats=repeats, rows=rows, warmup=1, draft_slots=list(DRAFT_SLOT_COUNTS))
-        table = profile_cost_table(target, ns, options, capture=tuple(draft.config.target_layer_ids), draft=draft,
-                                   draft_rows=draft_rows)
+        with announced(path, refresh) as progress:
+            table = profile_cost_table(target, ns, options, capture=tuple(draft.config.target_layer_ids),
+                                       draft=draft, draft_rows=draft_rows, progress=progress)
         table.meta["key"] = key
         _save(table, path)
-    _MEMO[digest] = table
+    _MEMO[memo] = table
     return table
+
+
+def write_back(table: CostTable) -> None:
+    """Save a cached table corrected online (`CostTable.rescale`) where it was cached, so
+    the next process starts from the corrected one; a table not from the cache (a user's
+    file, a test's) is left alone."""
+    key = table.meta.get("key")
+    if isinstance(key, dict):
+        path = table_path(key)
+        if _MEMO.get(str(path)) is table:
+            _save(table, path)
+
+
+def cached_keys(directory: Path | None = None) -> list[dict[str, str | int]]:
+    """The keys of the valid tables in the cache (`blockspec profile --refresh` measures
+    again those of its model pair)."""
+    keys = []
+    for path in sorted(((directory or cache_dir()) / "cost_tables").glob("*.json")):
+        try:
+            key = CostTable.load(path).meta.get("key")
+        except BlockspecError:
+            continue
+        if isinstance(key, dict) and table_path(key, directory) == path:
+            keys.append(key)
+    return keys
+
+
+@contextmanager
+def announced(path: Path, refresh: bool) -> Iterator[Callable[[int, int], None]]:
+    """Tell the user, on stderr, that the cost table is being measured (a rich progress bar
+    on a terminal, two plain lines otherwise) and how long it took."""
+    what = "re-measuring" if refresh else "measuring (once per machine and model pair)"
+    print(f"blockspec: {what} the verify / draft costs the adaptive policy plans with; cached at {path}",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    if sys.stderr.isatty():
+        with Progress(TextColumn("blockspec: cost table"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("", total=None)
+            yield lambda done, total: bar.update(task, completed=done, total=total)
+    else:
+        yield lambda done, total: None
+    print(f"blockspec: cost table measured in {time.perf_counter() - t0:.1f} s (not counted in any reported speed)",
+          file=sys.stderr, flush=True)
 
 
 def _load(path: Path, key: dict[str, str | int]) -> CostTable | None:
@@ -116,12 +182,46 @@ def _load(path: Path, key: dict[str, str | int]) -> CostTable | None:
 
 
 def _save(table: CostTable, path: Path) -> None:
-    """Write atomically (a concurrent reader sees the old file or the new one, never half)."""
+    save_json(table.to_dict(), path, "the cost table")
+
+
+def save_json(data: dict, path: Path, what: str) -> None:
+    """Write atomically (a concurrent reader sees the old file or the new one, never half);
+    an unwritable cache only logs a warning (`what` then lives in memory only)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False,
                                          encoding="utf-8") as f:
-            f.write(json.dumps(table.to_dict(), indent=2) + "\n")
+            f.write(json.dumps(data, indent=2) + "\n")
         os.replace(f.name, path)
     except OSError as exc:
-        log.warning("blockspec: could not cache the cost table at %s (%s); it lives in memory only", path, exc)
+        log.warning("blockspec: could not cache %s at %s (%s); it lives in memory only", what, path, exc)
+
+
+# Live rounds correct a table that is off by more than this (measured / predicted, median)...
+DRIFT_BAND = (0.67, 1.5)
+# ...over at least this many rounds.
+DRIFT_ROUNDS = 32
+
+
+class CostDrift:
+    """Whether a table still prices this machine: the median measured / predicted round
+    time over the last DRIFT_ROUNDS rounds (every kind of round). Outside DRIFT_BAND (a
+    table measured while the machine was busy, or a machine now busier) the median is
+    the factor to rescale the table by (`CostTable.rescale`, then `write_back`), never a
+    silently wrong table reused for good. The gate's own per-kind ratios keep pricing
+    rounds in between (`gate.DraftGate.cost_ratio`)."""
+
+    def __init__(self, rounds: int = DRIFT_ROUNDS, band: tuple[float, float] = DRIFT_BAND) -> None:
+        self.rounds, self.band = rounds, band
+        self.samples: list[float] = []
+
+    def observe(self, ratio: float) -> float | None:
+        """One round's measured / predicted time; the factor to rescale by, when it is due."""
+        self.samples.append(ratio)
+        if len(self.samples) < self.rounds:
+            return None
+        median = statistics.median(self.samples)
+        self.samples.clear()
+        low, high = self.band
+        return median if not low <= median <= high else None

@@ -232,6 +232,8 @@ class Engine:
             if self._running:
                 self._round()
                 self._retire()
+                if not self._running:   # drained: the next engine of these models starts from here
+                    self.policy.remember()
         return self.has_work
 
     def run_until_done(self) -> None:

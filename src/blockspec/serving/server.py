@@ -38,7 +38,7 @@ from blockspec.decoding.policy import PolicyOptions
 from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.errors import BlockspecError
 from blockspec.loading import draft_method, load_models
-from blockspec.options import add_adapt_flag, add_compile_flag, add_model_flags, load_options
+from blockspec.options import add_compile_flag, add_model_flags, add_policy_flags, load_options, policy_options
 from blockspec.serving.stats_log import INTERVAL_S as STATS_INTERVAL_S
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,8 @@ def build_engine(args: argparse.Namespace):
         raise BlockspecError("--cost-table prices speculative rounds: it needs a speculative method (--draft / "
                              "--method dflash|dspark|eagle3)")
     # The policy's options, checked before the models load (a bad combination costs no load).
-    policy = PolicyOptions(adapt=args.adapt, scheduled=args.scheduled, draft_gate=True if args.draft_gate else None,
+    policy = PolicyOptions(**policy_options(args), scheduled=args.scheduled,
+                           draft_gate=True if args.draft_gate else None,
                            cost_table=args.cost_table or None)   # read after the models load
     models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size,
                          chat_template=args.chat_template, **load_options(args))
@@ -246,7 +247,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     p.set_defaults(method=None)  # None: from the aliases, else from the draft, else ar
     p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help="= --target (vLLM style)")
-    add_adapt_flag(p)
+    add_policy_flags(p)
     p.add_argument("--scheduled", action="store_true", default=None,
                    help="DSpark confidence-scheduled verification (default: on with --adapt and a draft with a "
                         "confidence head)")
