@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,29 @@ def test_flags_given_override_the_config_file_even_at_their_default(tmp_path):
     args = cli.build_parser().parse_args(["pretrain", "--config", str(conf), "--seq-len", "64"])
     cfg = dataclass_from_args(PretrainConfig, args, args.config)
     assert (cfg.precision, cfg.compile, cfg.seq_len, cfg.batch_size) == ("auto", True, 64, 8)
+
+
+def test_profile_refresh_measures_the_cached_tables_again(tmp_path, monkeypatch, capsys):
+    from blockspec.decoding import table_cache
+
+    monkeypatch.setenv("BLOCKSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(table_cache, "_MEMO", {})
+    assert cli.main(["profile", "--refresh"]) == 2 and "--draft" in capsys.readouterr().err
+    assert cli.main(["profile", "--refresh", "--draft", "embedded", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    first = Path(report["refreshed"][0])
+    assert report["rows"] == [1] and first.is_file() and "measured in" in out.err
+    before = first.stat().st_mtime_ns
+    assert cli.main(["profile", "--refresh", "--draft", "embedded", "--device", "cpu"]) == 0   # again: re-measured
+    assert json.loads(capsys.readouterr().out)["refreshed"] == [str(first)] and first.stat().st_mtime_ns > before
+
+
+def test_policy_flags_of_generate_serve_and_bench():
+    parser = cli.build_parser()
+    for argv in (["generate", "hi"], ["serve"], ["bench"]):
+        args = parser.parse_args(argv)
+        assert args.remeasure_costs is False
+    args = parser.parse_args(["generate", "hi", "--policy-memory", "disk", "--fresh-policy", "--remeasure-costs"])
+    assert (args.policy_memory, args.fresh_policy, args.remeasure_costs) == ("disk", True, True)
+    assert parser.parse_args(["serve", "--policy-memory", "off"]).policy_memory == "off"

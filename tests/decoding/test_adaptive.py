@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from blockspec.config import SamplingParams
+from blockspec.decoding.context import PendingContext
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import generate
 from blockspec.decoding.policy import RoundPolicy
@@ -18,6 +19,7 @@ from conftest import make_draft, make_target
 from lossless_stats import chi_square_p, exact_first_three
 
 scipy_stats = pytest.importorskip("scipy.stats")
+generate_module = importlib.import_module("blockspec.decoding.generate")
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16]]
 TABLE = CostTable([1, 64], [1.0, 2.0], draft_rows=[1, 64], draft_times_s=[0.5, 2.0],
@@ -108,6 +110,70 @@ def test_sampled_distribution_is_exact_while_switching(method, params):
     out = generate(target, [prompt] * N, rows, draft=draft, method=method, policy=policy,
                    options=GenerateOptions(observer=seen))
     assert len({tuple(b) for b in seen.by_request.values()}) > 2   # rows really followed different schedules
+    counts = torch.zeros(VOCAB ** 3)
+    for c in out.completions:
+        a, b, d = c.tokens
+        counts[(a * VOCAB + b) * VOCAB + d] += 1
+    assert chi_square_p(counts, exact_first_three(target, params, prompt, VOCAB)) > ALPHA
+
+
+class Trims:
+    """Counts the rows whose buffered draft context was cut to its recent window, and the
+    rows whose draft context was then rebuilt from it."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.rows = self.rebuilt = 0
+        trim, flush = PendingContext._trim, PendingContext.flush
+
+        def trimmed(pending, rows):
+            before = int(pending.cut[:rows].sum())
+            trim(pending, rows)
+            self.rows += int(pending.cut[:rows].sum()) - before
+
+        def flushed(pending, rows, start=0):
+            if rows > start and int(pending.lengths[start:rows].max()) > 0:
+                self.rebuilt += int(pending.cut[start:rows].sum())
+            flush(pending, rows, start)
+        monkeypatch.setattr(PendingContext, "_trim", trimmed)
+        monkeypatch.setattr(PendingContext, "flush", flushed)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("pending", [None, "tight"])
+def test_greedy_output_equals_ar_across_long_ar_stretches(monkeypatch, method, pending):
+    """Rows run AR stretches longer than the buffered context (which then keeps only a
+    recent window) and draft again from a rebuilt context: still AR token for token.
+    pending "tight": a buffer barely larger than a round, so it is cut every few rounds."""
+    target = make_target(dtype=torch.float64)
+    draft = drafts(target)[method]
+    window = draft.config.num_drafts
+    if pending == "tight":
+        monkeypatch.setattr(generate_module, "PENDING_POSITIONS", window + 2)
+    trims = Trims(monkeypatch)
+    params = SamplingParams(max_new_tokens=90 if pending is None else 30, ignore_eos=True)
+    ref = [c.tokens for c in generate(target, PROMPTS, params).completions]
+    stretch = 70 if pending is None else 4
+    script = [(0.0, 0)] * stretch + [(1.0, window), (0.5, 2), (1.0, 1)]
+    policy = switching_policy(target, draft, method, len(PROMPTS), script)
+    out = generate(target, PROMPTS, params, draft=draft, method=method, policy=policy)
+    assert [c.tokens for c in out.completions] == ref
+    assert trims.rows >= len(PROMPTS) and trims.rebuilt >= len(PROMPTS)   # contexts really were cut and rebuilt
+
+
+def test_sampled_distribution_is_exact_with_cut_draft_contexts(monkeypatch):
+    """The chi-square of test_sampled_distribution_is_exact_while_switching with a buffer
+    so small that drafting rows' contexts are cut to one feature and rebuilt."""
+    target = make_target(seed=3, vocab=VOCAB, dtype=torch.float64)
+    draft = drafts(target)["dflash"]
+    window = draft.config.num_drafts
+    monkeypatch.setattr(generate_module, "PENDING_POSITIONS", window + 2)
+    trims = Trims(monkeypatch)
+    params = SamplingParams(temperature=1.0)
+    policy = switching_policy(target, draft, "dflash", N, [(1.0, window), (0.5, 2), (0.0, 0), (1.0, window)])
+    rows = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=i, ignore_eos=True) for i in range(N)]
+    prompt = [3, 5, 7, 2]
+    out = generate(target, [prompt] * N, rows, draft=draft, method="dflash", policy=policy)
+    assert trims.rows > N // 4 and trims.rebuilt > N // 8
     counts = torch.zeros(VOCAB ** 3)
     for c in out.completions:
         a, b, d = c.tokens

@@ -1,0 +1,74 @@
+"""The buffered draft context (decoding/context.py): a long AR stretch keeps a bounded
+buffer and never feeds the draft; drafting again rebuilds the context from the recent window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.decoding.context import PendingContext
+from blockspec.errors import BlockspecError
+from conftest import make_draft, make_target
+
+
+def setup(rows: int = 3, capacity: int = 16):
+    target = make_target(dtype=torch.float64)
+    draft = make_draft(target, "zlab", 4, dtype=torch.float64)
+    cache = draft.new_cache(rows, 256)
+    feat = len(draft.config.target_layer_ids) * draft.config.hidden_size
+    return draft, cache, PendingContext(draft, cache, capacity), feat
+
+
+def test_a_long_ar_stretch_keeps_a_bounded_buffer_and_never_feeds_the_draft(monkeypatch):
+    draft, cache, pending, feat = setup()
+    cache.lengths[:] = torch.tensor([5, 7, 9])             # the prompts' context (prefill)
+    appended = []
+    real = draft.append_context
+    monkeypatch.setattr(draft, "append_context", lambda *a: (appended.append(a[1].shape), real(*a)))
+    torch.manual_seed(0)
+    stream = torch.randn(3, 500, feat, dtype=torch.float64)
+    for t in range(500):                                    # 500 AR rounds: one feature per row each
+        pending.add(stream[:, t:t + 1], torch.ones(3, dtype=torch.long))
+        assert int(pending.lengths.max()) <= pending.capacity
+    assert appended == [] and pending.buf.shape == (3, 16, feat)   # nothing reached the draft
+    assert cache.lengths.tolist() == [5, 7, 9] and pending.cut.all()
+    n = int(pending.lengths[0])
+    assert pending.keep <= n < pending.capacity - draft.config.num_drafts
+    assert torch.equal(pending.buf[:, :n], stream[:, 500 - n:])    # exactly the latest features, in order
+    pending.flush(2)                                        # rows 0 and 1 draft again
+    assert cache.lengths.tolist() == [n, n, 9] and pending.cut.tolist() == [False, False, True]
+    # Their draft context is the recent window at positions 0..n-1, as if appended to an empty cache.
+    fresh = draft.new_cache(2, 256)
+    real(fresh, stream[:2, 500 - n:], n)
+    assert cache.k[:, :2, :, :n].abs().sum() > 0
+    for layer in range(len(draft.layers)):
+        assert torch.equal(cache.k[layer, :2, :, :n], fresh.k[layer, :, :, :n])
+
+
+def test_a_short_stretch_still_appends_the_whole_buffer_in_order():
+    draft, cache, pending, feat = setup(rows=2)
+    cache.lengths[:] = torch.tensor([4, 6])
+    stream = torch.randn(2, 5, feat, dtype=torch.float64)
+    for t in range(5):
+        pending.add(stream[:, t:t + 1], torch.ones(2, dtype=torch.long))
+    pending.flush(2)
+    assert cache.lengths.tolist() == [9, 11] and not pending.cut.any()
+
+
+def test_rows_moved_by_the_engine_keep_their_cut_mark():
+    draft, cache, pending, feat = setup(rows=3)
+    for _ in range(14):                                     # rows 0 and 1 run a long AR stretch
+        pending.add(torch.randn(2, 1, feat, dtype=torch.float64), torch.ones(2, dtype=torch.long))
+    assert pending.cut.tolist() == [True, True, False]
+    pending.swap(1, 2)
+    assert pending.cut.tolist() == [True, False, True]
+    pending.move_rows([2], [1])
+    assert pending.cut.tolist() == [True, True, False]
+    pending.clear(0, 1)
+    assert pending.cut.tolist() == [False, True, False]
+
+
+def test_a_keep_window_that_cannot_fit_is_refused():
+    draft, cache, _, _ = setup()
+    with pytest.raises(BlockspecError, match="keep"):
+        PendingContext(draft, cache, 16, keep=16 - draft.config.num_drafts)
