@@ -82,8 +82,6 @@ def test_version(capsys):
 
 
 def test_calibrate_writes_a_new_draft_unless_in_place(tmp_path, capsys):
-    import json
-
     from blockspec.models.checkpoint import save_draft
     from conftest import make_draft, write_tiny_target_dir
 
