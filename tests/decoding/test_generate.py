@@ -184,3 +184,26 @@ def test_grouped_prefill_equals_prefill_one_by_one(target64):
         assert torch.allclose(cache.k[:, r, :, :n], one.k[:, 0, :, :n]) and torch.allclose(
             cache.v[:, r, :, :n], one.v[:, 0, :, :n])
         assert torch.allclose(dcache.k[:, r, :, :dn], done.k[:, 0, :, :dn])
+
+
+def test_measuring_the_cost_table_is_setup_time_not_decoding_time(target64, tmp_path, monkeypatch):
+    """The first speculative call measures the cost table: `Timing.policy_s` holds it, apart
+    from prefill / draft / verify (the CLI starts its clock after building the policy)."""
+    import time
+
+    from blockspec.decoding import table_cache
+
+    monkeypatch.setenv("BLOCKSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(table_cache, "_MEMO", {})
+    real = table_cache.profile_cost_table
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(table_cache, "profile_cost_table", slow)
+    draft = make_draft(target64, "zlab", 4)
+    out = generate(target64, [PROMPTS[0]], SamplingParams(max_new_tokens=4, ignore_eos=True), draft=draft)
+    t = out.timing
+    assert t.policy_s >= 0.3 and t.prefill_s + t.draft_s + t.verify_s < t.policy_s
+    again = generate(target64, [PROMPTS[0]], SamplingParams(max_new_tokens=4, ignore_eos=True), draft=draft)
+    assert again.timing.policy_s < 0.3                      # cached: nothing measured

@@ -465,7 +465,7 @@ def test_gate_observes_every_round_it_gated(monkeypatch, target64, requests, con
                                                            draft_gate=True))
     seen = []
     real = engine.policy.gate.observe
-    monkeypatch.setattr(engine.policy.gate, "observe", lambda *a, **kw: (seen.append(a), real(*a, **kw)))
+    monkeypatch.setattr(engine.policy.gate, "observe", lambda *a, **kw: (seen.append(a), real(*a, **kw))[1])
     for prompt, params, _ in requests:
         engine.submit(prompt, params)
     engine.run_until_done()
@@ -618,3 +618,21 @@ def test_failed_step_fails_every_request_in_background(target64, monkeypatch):
     assert {r.finish_reason for r in results} == {"error"}
     assert isinstance(engine.failure, RuntimeError) and handles[0].error is engine.failure
     engine.shutdown(timeout=30)
+
+
+def test_a_drained_engine_leaves_what_its_policy_learned_to_the_next_engine(target64, requests, monkeypatch):
+    from blockspec.decoding import policy_memory
+
+    monkeypatch.setattr(policy_memory, "_REGISTRY", {})
+    draft = make_draft(target64, "zlab", 4, seed=5)
+    options = PolicyOptions(cost_table=CostTable(SCHED_TABLE.ns, SCHED_TABLE.times_s, draft_rows=[1, 4],
+                                                 draft_times_s=[0.1, 0.2]))
+    first = Engine(target64, draft, "dflash", max_running=4, policy=options)
+    assert first.policy.gate.curves == {}
+    outs = first.generate([p for p, _, _ in requests[:4]], [sp for _, sp, _ in requests[:4]])
+    assert [c.tokens for c in outs] == [ref.tokens for _, _, ref in requests[:4]]
+    learned = first.policy.gate.curves[0]
+    second = Engine(target64, draft, "dflash", max_running=4, policy=options)
+    assert torch.equal(second.policy.gate.curves[0], learned)
+    other = Engine(target64, make_draft(target64, "zlab", 4, seed=6), "dflash", max_running=4, policy=options)
+    assert other.policy.gate.curves == {}
