@@ -16,7 +16,7 @@ from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import generate
 from blockspec.decoding.policy import RoundPolicy
 from blockspec.decoding.policy_memory import check_state
-from blockspec.decoding.round import Proposal, WrappedForwards
+from blockspec.decoding.round import Proposal, RoundOutcome, WrappedForwards
 from blockspec.errors import BlockspecError
 from conftest import make_draft, make_target, oracle_tokens
 
@@ -135,3 +135,21 @@ def test_a_policy_state_round_trips_and_bad_states_are_refused(pair):
         check_state(bad, draft.config.num_drafts)
     with pytest.raises(BlockspecError, match="memory"):
         PolicyOptions(memory="forever")
+
+
+def test_the_first_round_of_each_kind_runs_cold_and_is_not_learned(pair):
+    """The draft's first forward in a process costs several warm rounds; learned (and
+    remembered) it would price drafting out for many calls."""
+    target, reference, table = pair
+    draft = make_draft(target, "zlab", 4, seed=5)
+    policy = RoundPolicy.for_method(target, draft, "dflash", PolicyOptions(cost_table=table, memory="off"))
+    g = draft.config.num_drafts
+    drafting = RoundOutcome([[0] * g], [g], [g], [0], None, 1, g)
+    ar = RoundOutcome([[]], [0], [0], [0], None, 0, 0)
+    priced = table.time(1 + g) + table.draft_time(1, block=g)
+    policy.observe_time(1, drafting, 10.0 * priced)         # cold
+    policy.observe_time(1, drafting, 1.0 * priced)
+    policy.observe_time(1, ar, 5.0 * table.time(1))         # cold
+    policy.observe_time(1, ar, 0.5 * table.time(1))
+    assert policy.gate.cost_ratio(True, 1, g) == pytest.approx(1.0)
+    assert policy.gate.cost_ratio(False, 1) == pytest.approx(0.5)

@@ -229,13 +229,17 @@ class DraftGate:
         return best
 
     # -- learning -------------------------------------------------------------------
-    def observe(self, rows: int, drafting_rows: int, block: int, verified_drafts: int, seconds: float) -> float:
+    def observe(self, rows: int, drafting_rows: int, block: int, verified_drafts: int, seconds: float, *,
+                cold: bool = False) -> float:
         """A finished round's wall time: `rows` running requests, of which the first
         `drafting_rows` drafted a block of `block` drafts, verifying `verified_drafts` drafts in all.
-        Returns the round's measured / predicted time."""
+        Returns the round's measured / predicted time; cold: a round that paid one-time
+        costs (the first of its kind in a process or call), returned but not learned."""
         predicted = self.table.time(rows + verified_drafts)
         ratio_sample = seconds / max(predicted + (self.table.draft_time(drafting_rows, block=block)
                                                   if drafting_rows else 0.0), 1e-9)
+        if cold:
+            return ratio_sample
         if drafting_rows:
             # By drafting rows (exploration rounds of a few rows do not stand in for rounds
             # where everyone drafts), and by block length too: their overheads differ.

@@ -168,6 +168,7 @@ class RoundPolicy:
         self._drafted_last = True     # the previous round drafted (no AR stretch behind it)
         self.memory: PolicyMemory | None = None   # where `remember` keeps what it learned
         self.drift = CostDrift()
+        self._timed: set[bool] = set()   # kinds of round (drafting or not) timed so far
 
     @classmethod
     def for_method(cls, target: TargetModel, draft: DraftModel | None, method: str,
@@ -313,8 +314,15 @@ class RoundPolicy:
         if self.gate is not None and self.gate_feedback:
             if outcome.drafting_rows and not self._drafted_last:
                 seconds -= outcome.context_s
-            ratio = self.gate.observe(rows, outcome.drafting_rows, outcome.block, sum(outcome.verified), seconds)
-            factor = self.drift.observe(ratio)
+            # The first round of each kind (AR, drafting) a policy times runs cold: the
+            # draft's first forward in a process, a call's fresh caches. Learned, it would
+            # price drafting out for many rounds (and, remembered, for later calls).
+            kind = outcome.drafting_rows > 0
+            cold = kind not in self._timed
+            self._timed.add(kind)
+            ratio = self.gate.observe(rows, outcome.drafting_rows, outcome.block, sum(outcome.verified), seconds,
+                                      cold=cold)
+            factor = None if cold else self.drift.observe(ratio)
             if factor is not None:
                 log.warning("blockspec: live rounds take %.2fx the cost table's times; rescaling the table "
                             "(and its cached copy)", factor)
