@@ -9,8 +9,9 @@ Each run is the whole loop over the prompts, starting from a policy that knows n
 (its first call uses `PolicyOptions(fresh=True)`): what a new process pays. Per prompt
 the arms take turns (the order rotates from prompt to prompt), so a slow spell of the
 machine falls on every arm alike. A run's speed per arm is its generated tokens over
-the sum of its calls' wall times; printed: the median over runs, and each arm's ratio
-to AR and to its method's fixed window. Cost tables are measured (or read from the
+the sum of its calls' wall times; printed: the median over runs, each arm's ratio to
+AR and to its method's fixed window, and the share of its rounds that drafted (at
+temperature 1, where drafting does not pay on a CPU, what exploring costs). Cost tables are measured (or read from the
 cache) before the first run, so no measurement is timed.
 """
 
@@ -36,10 +37,14 @@ ARMS = {"ar": ("ar", None, None),
         "dspark-fixed": ("dspark", PolicyOptions(adapt=False), PolicyOptions(adapt=False))}
 
 
-def one_run(target, drafts, arms: list[str], prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
-    """Tokens per second of each arm over one loop of the prompts."""
+def one_run(target, drafts, arms: list[str], prompts: list[list[int]], params: SamplingParams
+            ) -> tuple[dict[str, float], dict[str, float]]:
+    """Tokens per second of each arm over one loop of the prompts, and the share of its
+    rounds that drafted (where drafting does not pay: what exploring costs)."""
     tokens = dict.fromkeys(arms, 0)
     seconds = dict.fromkeys(arms, 0.0)
+    rounds = dict.fromkeys(arms, 0)
+    drafted = dict.fromkeys(arms, 0)
     for i, ids in enumerate(prompts):
         for k in range(len(arms)):
             name = arms[(i + k) % len(arms)]
@@ -49,7 +54,11 @@ def one_run(target, drafts, arms: list[str], prompts: list[list[int]], params: S
                            policy=first if i == 0 else options)
             seconds[name] += time.perf_counter() - t0
             tokens[name] += out.new_tokens
-    return {name: tokens[name] / seconds[name] for name in arms}
+            stats = out.completions[0].stats
+            rounds[name] += stats.rounds
+            drafted[name] += sum(v > 0 for v in stats.verified)
+    return ({name: tokens[name] / seconds[name] for name in arms},
+            {name: drafted[name] / max(rounds[name], 1) for name in arms})
 
 
 def main() -> None:
@@ -75,19 +84,23 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
     for method, draft in drafts.items():   # cost tables measured (or read) now, never inside a timed call
         RoundPolicy.for_method(target, draft, method, PolicyOptions(memory="off"))
-    runs = []
+    runs, shares = [], []
     for r in range(args.runs):
-        runs.append(one_run(target, drafts, arms, prompts, params))
-        print(f"run {r + 1}: " + ", ".join(f"{a} {runs[-1][a]:.1f}" for a in arms) + " tok/s", file=sys.stderr)
+        speed, share = one_run(target, drafts, arms, prompts, params)
+        runs.append(speed)
+        shares.append(share)
+        print(f"run {r + 1}: " + ", ".join(f"{a} {speed[a]:.1f}" for a in arms) + " tok/s", file=sys.stderr)
     median = {a: statistics.median(run[a] for run in runs) for a in arms}
     result = {"temperature": args.temperature, "prompts": len(prompts), "new_tokens": args.new_tokens,
-              "runs": runs, "median_tok_s": median,
+              "runs": runs, "median_tok_s": median, "drafted_share": shares,
               "vs_ar": {a: median[a] / median["ar"] for a in arms},
               "vs_fixed": {a: median[a] / median[f"{a}-fixed"] for a in arms if f"{a}-fixed" in median}}
-    print(f"| arm | tok/s (median of {args.runs}) | x AR | x fixed |\n|---|---|---|---|")
+    print(f"| arm | tok/s (median of {args.runs}) | x AR | x fixed | rounds drafted |\n|---|---|---|---|---|")
     for a in arms:
         fixed = result["vs_fixed"].get(a)
-        print(f"| {a} | {median[a]:.1f} | {result['vs_ar'][a]:.3f} | {'-' if fixed is None else f'{fixed:.3f}'} |")
+        share = statistics.median(s[a] for s in shares)
+        print(f"| {a} | {median[a]:.1f} | {result['vs_ar'][a]:.3f} | {'-' if fixed is None else f'{fixed:.3f}'} "
+              f"| {share:.0%} |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
