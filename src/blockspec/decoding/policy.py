@@ -35,6 +35,7 @@ from blockspec.models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
+
 class ConfidenceCalibration:
     """Online per-slot rescaling of the confidence head from verified outcomes.
 
