@@ -153,3 +153,20 @@ def test_the_first_round_of_each_kind_runs_cold_and_is_not_learned(pair):
     policy.observe_time(1, ar, 0.5 * table.time(1))
     assert policy.gate.cost_ratio(True, 1, g) == pytest.approx(1.0)
     assert policy.gate.cost_ratio(False, 1) == pytest.approx(0.5)
+
+
+def test_an_eagle3_chain_remembers_too(pair, tmp_path, monkeypatch):
+    from blockspec.models.chain_draft import Eagle3Drafter
+    from conftest import make_eagle3
+
+    _, _, table = pair
+    target = make_target()                                 # EAGLE-3 drafts in float32
+    chain = Eagle3Drafter.pair(make_eagle3(target), target, 3)
+    options = PolicyOptions(cost_table=table, memory="disk")
+    out = generate(target, [PROMPT], PARAMS, draft=chain, method="eagle3", policy=options)
+    assert out.completions[0].tokens == generate(target, [PROMPT], PARAMS).completions[0].tokens
+    monkeypatch.setattr(policy_memory, "_REGISTRY", {})
+    again = RoundPolicy.for_method(target, chain, "eagle3", options)
+    assert again.gate.curves and len(list((tmp_path / "policy_state").glob("*.json"))) == 1
+    shorter = RoundPolicy.for_method(target, chain.with_num_drafts(2), "eagle3", options)
+    assert not shorter.gate.curves                      # another chain length learns for itself

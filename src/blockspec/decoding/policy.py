@@ -30,7 +30,7 @@ from blockspec.decoding.round import ConfidenceMap, Proposal, RoundOutcome
 from blockspec.decoding.policy_memory import MEMORY_MODES, PolicyMemory, table_signature
 from blockspec.decoding.table_cache import CostDrift, cached_cost_table, table_rows, write_back
 from blockspec.errors import BlockspecError
-from blockspec.models.draft import DraftModel
+from blockspec.models.chain_draft import AnyDraft
 from blockspec.models.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class RoundPolicy:
         self._timed: set[bool] = set()   # kinds of round (drafting or not) timed so far
 
     @classmethod
-    def for_method(cls, target: TargetModel, draft: DraftModel | None, method: str,
+    def for_method(cls, target: TargetModel, draft: AnyDraft | None, method: str,
                    options: PolicyOptions | None = None, *, rows: int = 1) -> "RoundPolicy":
         """The one factory: the policy of a decoding loop running `method` (draft None for
         AR) over up to `rows` rows, as `options` say (`PolicyOptions`; default: adaptive).
@@ -214,7 +214,7 @@ class RoundPolicy:
         return policy
 
     @classmethod
-    def of(cls, policy: "RoundPolicy | PolicyOptions | None", target: TargetModel, draft: DraftModel | None,
+    def of(cls, policy: "RoundPolicy | PolicyOptions | None", target: TargetModel, draft: AnyDraft | None,
            method: str, rows: int = 1) -> "RoundPolicy":
         """`policy` itself (one that keeps learning across calls), or the one `for_method`
         builds from these options (None: the defaults)."""

@@ -32,7 +32,7 @@ import torch
 from blockspec.decoding.cost_table import CostTable, dtype_name, machine_signature
 from blockspec.decoding.table_cache import cache_dir, save_json
 from blockspec.errors import BlockspecError
-from blockspec.models.draft import DraftModel
+from blockspec.models.chain_draft import AnyDraft
 from blockspec.models.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -47,15 +47,16 @@ FINGERPRINT_SAMPLES = 64
 _REGISTRY: dict[tuple, tuple[weakref.ref, weakref.ref, dict[str, Any]]] = {}
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
+def weights_fingerprint(model: TargetModel | AnyDraft) -> str:
     """A short hash of a model's parameter names, shapes, dtypes and evenly spaced values:
     two checkpoints of one shape differ in it (computed once per model object)."""
     cached = model.__dict__.get("_weights_fingerprint")
     if cached is not None:
         return cached
+    weights = model if isinstance(model, torch.nn.Module) else model.model   # an EAGLE-3 drafter wraps its draft
     digest = hashlib.sha256()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in weights.named_parameters():
             flat = p.detach().reshape(-1)
             step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
             digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
@@ -77,12 +78,12 @@ class PolicyMemory:
     """One registry slot: `recall` the state kept last (None: nothing yet), `keep` a new
     one, `forget` it (`PolicyOptions(fresh=True)`). path: the slot's file (disk memory)."""
 
-    def __init__(self, key: tuple, target: TargetModel, draft: DraftModel, path: Path | None = None) -> None:
+    def __init__(self, key: tuple, target: TargetModel, draft: AnyDraft, path: Path | None = None) -> None:
         self.key, self.path = key, path
         self._target, self._draft = weakref.ref(target), weakref.ref(draft)
 
     @classmethod
-    def of(cls, target: TargetModel, draft: DraftModel, method: str, rows: int, options: str,
+    def of(cls, target: TargetModel, draft: AnyDraft, method: str, rows: int, options: str,
            mode: str) -> "PolicyMemory":
         """The slot of this pair, method, row count and policy options (`options`: their
         signature); mode "disk" also keeps it in a file."""
@@ -94,7 +95,8 @@ class PolicyMemory:
         if mode == "disk":
             disk_key = {"machine": machine_signature(target.device), "device": str(target.device),
                         "target": weights_fingerprint(target), "draft": weights_fingerprint(draft),
-                        "method": method, "dtypes": list(key[4:6]), "rows": rows, "options": options}
+                        "method": method, "window": draft.config.num_drafts, "dtypes": list(key[4:6]), "rows": rows,
+                        "options": options}
             digest = hashlib.sha256(json.dumps(disk_key, sort_keys=True).encode()).hexdigest()[:20]
             path = cache_dir() / "policy_state" / f"{digest}.json"
         return cls(key, target, draft, path)
