@@ -48,11 +48,12 @@ def readme_commands() -> list[str]:
 
 # README command -> (placeholder substitutions, appended toy-size flags). The placeholders:
 # TARGET / DIR / ~/models/Qwen3-8B are a target directory, DRAFT a draft directory, `...` the
-# previous train command's arguments, ports and dataset files what this test serves and writes.
+# previous train command's arguments, ports and dataset files what this test serves and writes;
+# a list replaces a placeholder's occurrences in order.
 GEN = ["--max-new-tokens", "8"]
 TRAIN = ["--max-steps", "2", "--batch-size", "2", "--max-len", "96", "--num-layers", "1",
          "--eval-every", "1000", "--save-every", "1000", "--threads", "1"]
-_TOY: dict[str, tuple[dict[str, str], list[str]]] = {
+_TOY: dict[str, tuple[dict[str, str | list[str]], list[str]]] = {
     "blockspec generate 'def fib(n):'": ({}, GEN),
     "blockspec generate 'def fib(n):' --method dflash": ({}, GEN),
     "blockspec generate 'def fib(n):' --method dspark --block-size 8": ({}, GEN),
@@ -83,6 +84,14 @@ _TOY: dict[str, tuple[dict[str, str], list[str]]] = {
     "blockspec bench --datasets humaneval,heldout --temperatures 0,1 --out docs/bench":
         ({}, ["--limit", "1", "--max-new-tokens", "8", "--repeats", "1", "--no-progress"]),
     "blockspec profile --out runs/cost_table.json --draft embedded --tokens 1,2,4,8,16,32,64,128,256,512": ({}, []),
+    "blockspec profile --refresh --draft embedded": ({}, []),
+    "blockspec generate 'def fib(n):' --method eagle3 --draft DIR --block-size 6": ({"DIR": "{eagle3}"}, GEN),
+    "blockspec train ... --num-layers 2 --draft-sliding-window 512 --draft-layer-types "
+    "sliding_attention,full_attention": ({"...": "{previous_train}"}, ["--out", "runs/dflash-window"]),
+    "blockspec bench --methods ar,eagle3,dflash,dspark --eagle3-draft DIR --dflash-draft DIR --dspark-draft DIR":
+        ({"DIR": ["{eagle3}", "{dflash}", "{dspark}"]},
+         ["--datasets", "humaneval", "--limit", "1", "--max-new-tokens", "8", "--repeats", "1", "--no-progress",
+          "--out", "runs/bench-eagle3"]),
     "blockspec calibrate --draft DIR --prompts runs/corpus":
         ({"DIR": "{dspark_copy}"}, ["--num-prompts", "8", "--max-new-tokens", "16", "--force"]),
 }
@@ -91,10 +100,12 @@ TOY = {shlex.join(shlex.split(command)): toy for command, toy in _TOY.items()}
 
 def toy_argv(command: str, values: dict[str, str]) -> list[str]:
     subs, extra = TOY[command]
+    queues = {k: list(v) for k, v in subs.items() if isinstance(v, list)}   # a placeholder given several times
     words = []
     for word in shlex.split(command):
         if word in subs:
-            words.extend(shlex.split(subs[word].format(**values)) if word == "..." else [subs[word].format(**values)])
+            value = (queues[word].pop(0) if word in queues else subs[word]).format(**values)
+            words.extend(shlex.split(value) if word == "..." else [value])
         else:
             words.append(word)
     words += [w.format(**values) for w in extra]
@@ -182,8 +193,8 @@ def test_every_readme_command_has_a_toy_run():
 def test_readme_generate_and_launch_lines(workdir):
     cwd, values = workdir
     for command in commands_where(r"^blockspec (generate|launch-line)"):
-        if "--compile" in command:
-            continue   # compiling takes about a minute: test_readme_compiled_generate (slow)
+        if "--compile" in command or "eagle3" in command:
+            continue   # compiling takes a minute (test_readme_compiled_generate); EAGLE-3 needs a trained draft
         proc = run(toy_argv(command, values), cwd)
         if "launch-line" in command:
             assert values["target"] in proc.stdout
@@ -211,13 +222,24 @@ def test_readme_train_recipe_in_process(workdir):
     cwd, values = workdir
     run(toy_argv(commands_where(r"^blockspec regenerate --prompts")[0], values), cwd)
     assert len((cwd / "runs" / "regen.jsonl").read_text().splitlines()) == 3
-    (train,) = commands_where(r"^blockspec train ")
+    (train,) = commands_where(r"^blockspec train --method dflash")
     argv = toy_argv(train, values)
     run(argv, cwd)
     assert (cwd / "runs" / "dflash" / "draft" / "config.json").is_file()
     values["previous_train"] = shlex.join(argv[2:] + ["--out", "runs/dflash-ddp"])
     run(toy_argv(commands_where(r"^torchrun .* train \.\.\.$")[0], values), cwd)
     assert (cwd / "runs" / "dflash-ddp" / "draft" / "config.json").is_file()
+    values["previous_train"] = shlex.join(argv[2:])
+    run(toy_argv(commands_where(r"^blockspec train \.\.\. .*--draft-sliding-window")[0], values), cwd)
+    window = json.loads((cwd / "runs" / "dflash-window" / "draft" / "config.json").read_text())
+    assert window["layer_types"] == ["sliding_attention", "full_attention"]
+    # The README's EAGLE-3 commands need an EAGLE-3 draft of the embedded target: trained here.
+    run([str(BIN / "blockspec"), "train", "--method", "eagle3", "--target", values["target"], "--data",
+         "runs/regen.jsonl", "--out", "runs/eagle3", *TRAIN], cwd)
+    values["eagle3"] = str(cwd / "runs" / "eagle3" / "draft")
+    assert run(toy_argv(commands_where(r"--method eagle3 --draft DIR")[0], values), cwd).stdout.strip()
+    run(toy_argv(commands_where(r"^blockspec bench --methods ar,eagle3")[0], values), cwd)
+    assert (cwd / "runs" / "bench-eagle3" / "results.json").is_file()
 
 
 @pytest.mark.slow
@@ -242,7 +264,7 @@ def test_readme_serve_endpoint_recipe(workdir):
     values["port"] = str(free_port())
     server = Served(toy_argv(commands_where(r"^blockspec serve --target")[0], values), cwd, int(values["port"]))
     try:
-        body = dict(curl_body(), max_tokens=8)
+        body = dict(curl_body(), model=values["target"], max_tokens=8)   # served under --target, as vLLM does
         answer = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"], answer.text
     finally:
@@ -254,8 +276,9 @@ def test_readme_measure_commands(workdir):
     cwd, values = workdir
     run(toy_argv(commands_where(r"^blockspec bench ")[0], values), cwd)
     assert (cwd / "docs" / "bench" / "results.json").is_file()
-    run(toy_argv(commands_where(r"^blockspec profile ")[0], values), cwd)
+    run(toy_argv(commands_where(r"^blockspec profile --out")[0], values), cwd)
     assert json.loads((cwd / "runs" / "cost_table.json").read_text())
+    assert "measured" in run(toy_argv(commands_where(r"^blockspec profile --refresh")[0], values), cwd).stderr
     run(toy_argv(commands_where(r"^blockspec calibrate ")[0], values), cwd)
     calibrated = json.loads((cwd / "dspark-calibrated" / "config.json").read_text())
     assert calibrated != json.loads((cwd / "dspark" / "config.json").read_text())
