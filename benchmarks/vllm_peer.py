@@ -115,19 +115,21 @@ def main() -> None:
                              "counters": runs[0][2]})
     reference = {r["dtype"]: r["tokens"] for r in rows if r["engine"] == "blockspec" and r["method"] == "ar"
                  and r["batch"] == batches[0]}
+    own_ar = {(r["engine"], r["dtype"], r["batch"]): r["tokens"] for r in rows if r["method"] == "ar"}
     print(f"vLLM {version} (CPU build) vs blockspec, torch {torch.__version__}, {len(prompts)} HumanEval "
           f"prompts (every {args.every}th from {args.start}), {args.max_new_tokens} new tokens, greedy, "
           f"{'vLLM context-K norm patched per layer' if args.patch_vllm_rmsnorm else 'vLLM as installed'}\n")
     speed = "" if args.no_speed else " tok/s |"
-    print(f"| engine | dtype | method | batch |{speed} tau | accepted per position 1-8 | == blockspec AR (same dtype) |")
-    print("|---|---|---|---|" + ("" if args.no_speed else "---|") + "---|---|---|")
+    print(f"| engine | dtype | method | batch |{speed} tau | accepted per position 1-8 | == blockspec AR (same dtype) | == own AR (same dtype, batch) |")
+    print("|---|---|---|---|" + ("" if args.no_speed else "---|") + "---|---|---|---|")
     for r in rows:
         new = sum(len(t) for t in r["tokens"])
         same = sum(a == b for a, b in zip(r["tokens"], reference[r["dtype"]]))
+        own = sum(a == b for a, b in zip(r["tokens"], own_ar[(r["engine"], r["dtype"], r["batch"])]))
         tau, curve = tau_and_curve(r["counters"])
         rate = "" if args.no_speed else f" {new / r['seconds']:.0f} |"
         print(f"| {r['engine']} | {r['dtype']} | {r['method']} | {r['batch']} |{rate} {tau} | "
-              f"{curve} | {same}/{len(prompts)} |")
+              f"{curve} | {same}/{len(prompts)} | {own}/{len(prompts)} |")
     print("\nDSpark: not run in vLLM on the CPU (V1 runner refuses method dspark; the V2 runner needs Triton, "
           "which has no CPU backend).")
 
