@@ -45,8 +45,12 @@ def draft_dir(tmp_path, target):
 
 
 def edit_config(path: Path, **changes) -> None:
+    """Rewrite config.json with `changes`; a new layer count keeps the file consistent (its
+    per-layer layer_types follow), so what is tested is the size, not a mismatched list."""
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(changes)
+    if "num_hidden_layers" in changes and isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = [cfg["layer_types"][0]] * min(changes["num_hidden_layers"], 1024)
     (path / "config.json").write_text(json.dumps(cfg))
 
 

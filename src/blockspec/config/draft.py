@@ -201,6 +201,8 @@ class DraftConfig:
         mask_token = dflash.get("mask_token", raw.get("mask_token"))
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             require(key in raw, f"{where}: missing required key '{key}'")
+        # Bounded before the per-layer lists are read against it (an absurd count is named as such).
+        positive_int("num_hidden_layers", raw["num_hidden_layers"], where)
         layer_types, window, causal = read_draft_attention(raw, dflash, raw["num_hidden_layers"], where)
         heads = raw["num_attention_heads"]
         known = {"architectures", "model_type", "block_size", "dflash_config", "num_target_layers",

@@ -40,7 +40,8 @@ def read_draft_attention(raw: dict[str, Any], dflash: dict[str, Any], num_layers
     layer_types = raw.get("layer_types")
     if layer_types is not None:
         require(isinstance(layer_types, list) and len(layer_types) == num_layers,
-                 f"{where}: layer_types must list one entry per draft layer ({num_layers}), got {layer_types!r}")
+                 f"{where}: layer_types must list one entry per draft layer (num_hidden_layers is {num_layers}), "
+                 f"got {len(layer_types) if isinstance(layer_types, list) else repr(layer_types)}")
         require(all(t in DRAFT_LAYER_TYPES for t in layer_types),
                  f"{where}: layer_types entries must be {' or '.join(DRAFT_LAYER_TYPES)}, got {layer_types!r}")
         types = tuple(layer_types)
