@@ -135,26 +135,24 @@ class PendingContext:
         self.lengths[start:stop] = 0
         self.cut[start:stop] = False
 
-    def swap(self, a: int, b: int) -> None:
-        """Exchange rows a and b's buffered features."""
-        ab, ba = [a, b], [b, a]
-        if self.buf is not None:
-            n = int(self.lengths[ab].max())
-            self.buf[ab, :n] = self.buf[ba, :n]
-            if self.tokens is not None:
-                self.tokens[ab, :n] = self.tokens[ba, :n]
-        self.lengths[ab] = self.lengths[ba]
-        self.cut[ab] = self.cut[ba]
-
-    def move_rows(self, src: list[int], dst: list[int]) -> None:
-        if not src:
-            return
+    def _copy_rows(self, src: list[int], dst: list[int]) -> None:
+        """Rows dst take rows src's buffered features, tokens, lengths and cut marks (advanced
+        indexing: the right side is a copy, so src and dst may overlap)."""
         if self.buf is not None:
             n = int(self.lengths[src].max())
             self.buf[dst, :n] = self.buf[src, :n]
             if self.tokens is not None:
                 self.tokens[dst, :n] = self.tokens[src, :n]
         self.lengths[dst] = self.lengths[src]
-        self.lengths[src] = 0
         self.cut[dst] = self.cut[src]
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchange rows a and b's buffered features."""
+        self._copy_rows([b, a], [a, b])
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        if not src:
+            return
+        self._copy_rows(src, dst)
+        self.lengths[src] = 0
         self.cut[src] = False
