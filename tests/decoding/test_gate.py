@@ -7,7 +7,7 @@ import torch
 
 from blockspec.config import SamplingParams, temperature_band
 from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.gate import DraftGate, GateTuning, band_groups
+from blockspec.decoding.gate import KEY_SAMPLES, DraftGate, GateTuning, band_groups
 
 # Drafting a full 3-slot block costs 0.5 s at 1 row and 1.0 s at 4; verify T(n) rises
 # after 4 tokens. With every draft accepted drafting pays; with none it does not.
@@ -106,3 +106,18 @@ def test_options_of_mixed_bands_equal_the_planner():
     expected = 5 + sum(float(survival[r, :int(n)].sum()) for r, n in enumerate(lens))
     assert option.tokens == pytest.approx(expected)
     assert option.table_s == pytest.approx(table.draft_time(5, block=3) + table.time(5 + int(lens.sum())))
+
+
+def test_one_timed_round_of_a_block_length_does_not_price_it():
+    """A block drafted once in a quiet spell must not look cheap on that one sample (the
+    gate then drafted it for good, 6% fewer tokens per round than the full block)."""
+    table = CostTable([1, 4, 16], [1.0, 1.2, 2.0], draft_rows=[1], draft_times_s=[1.0],
+                      draft_slot_times={2: [0.9]}, draft_window=3)
+    gate = DraftGate(table, window=3, full_window=True)
+    for _ in range(8):                                   # full blocks: as the table says
+        gate.observe(1, 1, 3, 3, seconds=table.time(4) + table.draft_time(1))
+    gate.observe(1, 1, 2, 2, seconds=0.1 * (table.time(3) + table.draft_time(1, block=2)))   # one quiet round
+    assert gate.cost_ratio(True, 1, 2) == pytest.approx(gate.cost_ratio(True, 1))
+    for _ in range(KEY_SAMPLES - 1):                     # once measured enough, its own ratio prices it
+        gate.observe(1, 1, 2, 2, seconds=0.5 * (table.time(3) + table.draft_time(1, block=2)))
+    assert gate.cost_ratio(True, 1, 2) == pytest.approx(0.5)

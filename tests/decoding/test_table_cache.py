@@ -12,7 +12,7 @@ from blockspec.decoding import cost_table, table_cache
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.policy import RoundPolicy
 from blockspec.decoding.round import RoundOutcome
-from blockspec.decoding.table_cache import DRIFT_ROUNDS, cached_cost_table, profile_points, table_key
+from blockspec.decoding.table_cache import DRIFT_ROUNDS, CostDrift, cached_cost_table, profile_points, table_key
 from blockspec.errors import BlockspecError
 from conftest import make_draft, make_target
 
@@ -169,9 +169,9 @@ def test_a_table_that_live_rounds_disprove_is_rescaled_and_written_back(fresh, m
     path = next((fresh / "cost_tables").glob("*.json"))
     ar = RoundOutcome([[]], [0], [0], [0], None, 0, 0)
     policy.observe_time(1, ar, 3.0 * table.time(1))     # the first AR round runs cold: not counted
-    for _ in range(DRIFT_ROUNDS - 1):   # the machine got 3x slower than when the table was measured
+    for _ in range(2 * DRIFT_ROUNDS - 1):   # the machine got 3x slower than when the table was measured
         policy.observe_time(1, ar, 3.0 * table.time(1))
-    assert table.times_s == before                       # not before DRIFT_ROUNDS rounds
+    assert table.times_s == before                       # not before two windows of DRIFT_ROUNDS rounds
     policy.observe_time(1, ar, 3.0 * table.time(1))
     assert table.times_s == pytest.approx([3.0 * t for t in before], rel=1e-6)
     assert policy.gate.cost_ratio(False, 1) == pytest.approx(1.0)   # prices unchanged: ratios follow the table
@@ -179,3 +179,14 @@ def test_a_table_that_live_rounds_disprove_is_rescaled_and_written_back(fresh, m
     for _ in range(DRIFT_ROUNDS):                        # now right: left alone
         policy.observe_time(1, ar, 1.2 * table.time(1))
     assert table.times_s == pytest.approx([3.0 * t for t in before], rel=1e-6)
+
+
+def test_a_load_that_comes_and_goes_does_not_rescale_the_table():
+    """Busy and quiet windows in turn (other processes starting and stopping): rescaling
+    after each flipped the table (and its cached file) by 2x and back every 32 rounds."""
+    drift = CostDrift()
+    factors = [drift.observe(ratio) for window in range(8) for ratio in [0.5 if window % 2 else 2.0] * DRIFT_ROUNDS]
+    assert factors == [None] * len(factors)
+    # Slower for good: two windows in a row, rescaled by the one nearer 1.
+    steady = [drift.observe(r) for r in [2.5] * DRIFT_ROUNDS + [2.0] * DRIFT_ROUNDS]
+    assert steady[-1] == pytest.approx(2.0) and steady[:-1] == [None] * (2 * DRIFT_ROUNDS - 1)

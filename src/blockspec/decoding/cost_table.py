@@ -305,6 +305,47 @@ class ProfileOptions:
 Progress = Callable[[int, int], None]
 
 
+def monotone(ys: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ys (pool adjacent violators): a forward over
+    more tokens (rows, drafted slots) never costs less. Unlike a running maximum, one point
+    a busy spell inflated does not raise every point after it; it is averaged with its
+    neighbours instead."""
+    blocks: list[list[float]] = []   # [sum, count] of pooled runs, each run's mean above the last's
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def _timed(run: Callable[[], None], device: torch.device) -> float:
+    """One timed run of `run` (seconds), the device synchronised around it."""
+    _sync(device)
+    t0 = time.perf_counter()
+    run()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def interleaved_minimum(runs: Sequence[Callable[[], None]], repeats: int, warmup: int, device: torch.device,
+                        tick: Callable[[], None] | None = None) -> list[float]:
+    """The fastest of `repeats` timed runs of each of `runs`, after `warmup` untimed sweeps.
+    The runs take turns (every sweep times each once), so a busy spell of a shared machine
+    lands on a few samples of many points, never on every sample of one point (which the
+    minimum cannot undo). tick(): after each timed run (progress)."""
+    best = [math.inf] * len(runs)
+    for sweep in range(warmup + repeats):
+        for i, run in enumerate(runs):
+            seconds = _timed(run, device)
+            if sweep >= warmup:
+                best[i] = min(best[i], seconds)
+                if tick is not None:
+                    tick()
+    return best
+
+
 @torch.inference_mode()
 def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptions | None = None, *,
                        capture: tuple[int, ...] = (), draft: AnyDraft | None = None,
@@ -312,11 +353,12 @@ def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptio
     """Measure the packed verify forward (`TargetModel.forward_packed`) for each n.
 
     n tokens are spread over min(n, rows) rows, each already holding `context`
-    cached positions (`ProfileOptions`). Each time is the fastest of `repeats` runs (on
-    a shared machine noise only ever adds time) and times never fall as n grows (a
-    running maximum), so one noisy point cannot make the planner see free tokens. With a
+    cached positions (`ProfileOptions`). Each time is the fastest of `repeats` runs, the
+    points taking turns (`interleaved_minimum`: on a shared machine noise only ever adds
+    time), and the times are fitted non-decreasing in n (`monotone`), so one noisy point
+    can neither make the planner see free tokens nor price every wider round out. With a
     draft, also the draft round for each of `draft_rows`, over the full block and over
-    shorter blocks. progress(done, total): told after each measured point."""
+    shorter blocks (`profile_drafts`). progress(done, total): told after each timed run."""
     o = options or ProfileOptions()
     repeats, rows, context, warmup, seed, draft_slots = o.repeats, o.rows, o.context, o.warmup, o.seed, o.draft_slots
     if not ns or repeats < 1 or rows < 1 or context < 0:
@@ -328,42 +370,39 @@ def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptio
     d_rows = sorted(set(int(r) for r in (draft_rows or [1, 2, 4, 8, 16, 32]))) if draft is not None else []
     window = draft.config.num_drafts if draft is not None else 0
     slot_counts = sorted(set(int(s) for s in (draft_slots or DRAFT_SLOT_COUNTS) if 1 <= int(s) < window))
-    total = len(ns) + len(d_rows) * (1 + len(slot_counts)) if draft is not None else len(ns)
+    total = repeats * (len(ns) + len(d_rows) * (1 + len(slot_counts)))
     done = [0]
 
-    def advance(points: int = 1) -> None:
-        done[0] += points
+    def tick() -> None:
+        done[0] += 1
         if progress is not None:
             progress(done[0], total)
     per_row = max(-(-n // min(n, rows)) for n in ns)   # the most tokens one row receives
     cache = target.new_cache(rows, context + per_row + 1)
     gen = torch.Generator().manual_seed(seed)
-    times = []
-    for n in ns:
+
+    def verify_run(n: int) -> Callable[[], None]:
         counts = _split(n, min(n, rows)).to(device)
         view = cache.slice_rows(0, counts.shape[0])
         tokens = torch.randint(0, target.config.vocab_size, (n,), generator=gen).to(device)
-        samples = []
-        for i in range(warmup + repeats):
+
+        def run() -> None:
             view.lengths.fill_(context)
-            _sync(device)
-            t0 = time.perf_counter()
             target.forward_packed(tokens, counts, view, capture=capture)
-            _sync(device)
-            if i >= warmup:
-                samples.append(time.perf_counter() - t0)
-        times.append(max(min(samples), times[-1] if times else 0.0))
-        advance()
+        return run
+    times = monotone(interleaved_minimum([verify_run(n) for n in ns], repeats, warmup, device, tick))
     d_times: list[float] = []
     by_slots: dict[int, list[float]] = {}
     if draft is not None:
-        d_times = profile_draft(target, draft, d_rows, repeats=repeats, context=context, warmup=warmup, seed=seed)
-        advance(len(d_rows))
-        for s in slot_counts:
-            measured = profile_draft(target, draft, d_rows, repeats=repeats, context=context, warmup=warmup,
-                                     seed=seed, block=s)
-            by_slots[s] = [min(a, b) for a, b in zip(measured, d_times)]   # never dearer than the full block
-            advance(len(d_rows))
+        blocks = [*slot_counts, window]
+        by_block = profile_drafts(target, draft, d_rows, blocks, repeats=repeats, context=context, warmup=warmup,
+                                  seed=seed, tick=tick)
+        for r in range(len(d_rows)):   # a longer block never drafts for less
+            fitted = monotone([by_block[b][r] for b in blocks])
+            for b, t in zip(blocks, fitted):
+                by_block[b][r] = t
+        d_times = by_block[window]
+        by_slots = {s: by_block[s] for s in slot_counts}
     return CostTable(ns, times, model=model_signature(target), dtype=dtype_name(target.dtype),
                      machine=machine_signature(device),
                      meta={"rows": rows, "context": context, "repeats": repeats, "capture": list(capture)},
@@ -372,16 +411,19 @@ def profile_cost_table(target: TargetModel, ns: list[int], options: ProfileOptio
 
 
 @torch.inference_mode()
-def profile_draft(target: TargetModel, draft: AnyDraft, rows_list: list[int], repeats: int = 5, *,
-                  context: int = 128, warmup: int = 2, seed: int = 0, block: int | None = None) -> list[float]:
-    """Time of one draft round (`round.propose`, greedy, a block of `block` drafts;
-    default the full block) for each number of rows: the fastest of `repeats`, never falling as rows grow.
-    An EAGLE-3 round is a chain of `block` one-token forwards, so its time grows with the
-    block where DFlash's one forward barely does; the table holds both as measured."""
+def profile_drafts(target: TargetModel, draft: AnyDraft, rows_list: list[int], blocks: Sequence[int | None], *,
+                   repeats: int = 5, context: int = 128, warmup: int = 2, seed: int = 0,
+                   tick: Callable[[], None] | None = None) -> dict[int | None, list[float]]:
+    """Time of one draft round (`round.propose`, greedy) per block length in `blocks`
+    (None: the full block) and number of rows: {block: [time per row count]}, each the
+    fastest of `repeats` with every (rows, block) taking turns (`interleaved_minimum`),
+    fitted non-decreasing in rows (`monotone`). An EAGLE-3 round is a chain of `block`
+    one-token forwards, so its time grows with the block where DFlash's one forward
+    barely does; the table holds both as measured."""
     device = target.device
     gen = torch.Generator().manual_seed(seed)
     feat_dim = len(draft.config.target_layer_ids) * draft.config.hidden_size
-    times = []
+    runs = []
     for r in rows_list:
         if r < 1:
             raise BlockspecError("profile_draft: every row count must be >= 1")
@@ -394,14 +436,16 @@ def profile_draft(target: TargetModel, draft: AnyDraft, rows_list: list[int], re
             draft.append_context(cache, feats, context)
         anchors = torch.randint(0, target.config.vocab_size, (r,), generator=gen).to(device)
         sampler = RowSampler.from_params([SamplingParams()] * r, device)
-        samples = []
-        for i in range(warmup + repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            propose(draft, target, cache, anchors, sampler, block)
-            _sync(device)
-            if i >= warmup:
-                samples.append(time.perf_counter() - t0)
-        times.append(max(min(samples), times[-1] if times else 0.0))
-    return times
+        for block in blocks:
+            runs.append(lambda cache=cache, anchors=anchors, sampler=sampler, block=block:
+                        propose(draft, target, cache, anchors, sampler, block))
+    best = interleaved_minimum(runs, repeats, warmup, device, tick)
+    return {block: monotone([best[i * len(blocks) + j] for i in range(len(rows_list))])
+            for j, block in enumerate(blocks)}
 
+
+def profile_draft(target: TargetModel, draft: AnyDraft, rows_list: list[int], repeats: int = 5, *,
+                  context: int = 128, warmup: int = 2, seed: int = 0, block: int | None = None) -> list[float]:
+    """`profile_drafts` for one block length (None: the full block)."""
+    return profile_drafts(target, draft, rows_list, [block], repeats=repeats, context=context, warmup=warmup,
+                          seed=seed)[block]

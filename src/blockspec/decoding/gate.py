@@ -29,6 +29,10 @@ MAX_BACKOFF = 16
 # Each measured / predicted round-time ratio is the median of this many latest samples:
 # enough that a few slow rounds (another process, a page fault) do not tip a decision.
 RATIO_SAMPLES = 64
+# A kind of round by rows (and block) is priced by its own ratio once this many of its rounds
+# were timed, before that by its kind's: a block length drafted once in a quiet (or a busy)
+# spell would otherwise look cheap (or dear) on one sample and be chosen (or never tried) for good.
+KEY_SAMPLES = 4
 
 
 @dataclass(frozen=True)
@@ -134,8 +138,12 @@ class DraftGate:
     # -- pricing --------------------------------------------------------------------
     def cost_ratio(self, drafting: bool, rows: int, block: int | None = None) -> float:
         """Measured / table round time for this kind of round: by drafting rows (or rows)
-        and block, else by rows, else by kind (1.0 before any measurement)."""
-        for key in ((drafting, rows, block), (drafting, rows), (drafting,), (not drafting,)):
+        and block, else by rows (each once KEY_SAMPLES of its rounds were timed), else by
+        kind (1.0 before any measurement)."""
+        for key in ((drafting, rows, block), (drafting, rows)):
+            if len(self._samples.get(key, ())) >= KEY_SAMPLES:
+                return self._ratio[key]
+        for key in ((drafting,), (not drafting,)):
             if key in self._ratio:
                 return self._ratio[key]
         return 1.0

@@ -206,15 +206,19 @@ DRIFT_ROUNDS = 32
 
 class CostDrift:
     """Whether a table still prices this machine: the median measured / predicted round
-    time over the last DRIFT_ROUNDS rounds (every kind of round). Outside DRIFT_BAND (a
-    table measured while the machine was busy, or a machine now busier) the median is
-    the factor to rescale the table by (`CostTable.rescale`, then `write_back`), never a
-    silently wrong table reused for good. The gate's own per-kind ratios keep pricing
-    rounds in between (`gate.DraftGate.cost_ratio`)."""
+    time over each DRIFT_ROUNDS rounds (every kind of round). When two windows in a row
+    fall outside DRIFT_BAND on the same side (a table measured while the machine was
+    busy, or a machine now busier for good), the table is rescaled (`CostTable.rescale`,
+    then `write_back`) by the factor of the two nearer 1, never a silently wrong table
+    reused for good. A load that comes and goes (busy, then quiet) leaves it alone: the
+    rescaled table would be wrong in the next window and the cached file would flip with
+    it. The gate's own per-kind ratios keep pricing rounds in between
+    (`gate.DraftGate.cost_ratio`)."""
 
     def __init__(self, rounds: int = DRIFT_ROUNDS, band: tuple[float, float] = DRIFT_BAND) -> None:
         self.rounds, self.band = rounds, band
         self.samples: list[float] = []
+        self.previous: float | None = None   # the last window's median, when it was outside the band
 
     def observe(self, ratio: float) -> float | None:
         """One round's measured / predicted time; the factor to rescale by, when it is due."""
@@ -224,4 +228,8 @@ class CostDrift:
         median = statistics.median(self.samples)
         self.samples.clear()
         low, high = self.band
-        return median if not low <= median <= high else None
+        previous, self.previous = self.previous, (None if low <= median <= high else median)
+        if self.previous is None or previous is None or (median > high) != (previous > high):
+            return None
+        self.previous = None   # the next rescale needs two fresh windows
+        return min(median, previous) if median > high else max(median, previous)
