@@ -170,12 +170,36 @@ def test_sampled_distribution_is_exact_with_cut_draft_contexts(monkeypatch):
     trims = Trims(monkeypatch)
     params = SamplingParams(temperature=1.0)
     policy = switching_policy(target, draft, "dflash", N, [(1.0, window), (0.5, 2), (0.0, 0), (1.0, window)])
-    rows = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=i, ignore_eos=True) for i in range(N)]
+    # Five tokens, so rows cut in one round draft again from a rebuilt context (a row that
+    # finishes is dropped, never rebuilt); the first three tokens' law does not depend on
+    # how many follow them.
+    rows = [SamplingParams(temperature=1.0, max_new_tokens=5, seed=i, ignore_eos=True) for i in range(N)]
     prompt = [3, 5, 7, 2]
     out = generate(target, [prompt] * N, rows, draft=draft, method="dflash", policy=policy)
     assert trims.rows > N // 4 and trims.rebuilt > N // 8
     counts = torch.zeros(VOCAB ** 3)
     for c in out.completions:
-        a, b, d = c.tokens
+        a, b, d = c.tokens[:3]
         counts[(a * VOCAB + b) * VOCAB + d] += 1
     assert chi_square_p(counts, exact_first_three(target, params, prompt, VOCAB)) > ALPHA
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_a_call_that_never_drafts_never_runs_the_draft(monkeypatch, method):
+    """Where drafting does not pay (sampling on a CPU), the policy runs AR rounds; the
+    prompts' features wait in the pending context, so the draft costs nothing at all."""
+    target = make_target(dtype=torch.float64)
+    draft = drafts(target)[method]
+    calls = []
+    for name in ("append_context", "block_hidden"):
+        real = getattr(draft, name)
+        monkeypatch.setattr(draft, name, lambda *a, real=real, name=name, **k: (calls.append(name), real(*a, **k))[1])
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ref = [c.tokens for c in generate(target, PROMPTS, params).completions]
+    out = generate(target, PROMPTS, params, draft=draft, method=method,
+                   policy=switching_policy(target, draft, method, len(PROMPTS), [(0.0, 0)]))
+    assert [c.tokens for c in out.completions] == ref and calls == []
+    # Drafting later in the call appends the prompt first: still AR token for token.
+    out = generate(target, PROMPTS, params, draft=draft, method=method,
+                   policy=switching_policy(target, draft, method, len(PROMPTS), [(0.0, 0)] * 3 + [(1.0, 2)]))
+    assert [c.tokens for c in out.completions] == ref and "append_context" in calls

@@ -72,3 +72,42 @@ def test_a_keep_window_that_cannot_fit_is_refused():
     draft, cache, _, _ = setup()
     with pytest.raises(BlockspecError, match="keep"):
         PendingContext(draft, cache, 16, keep=16 - draft.config.num_drafts)
+
+
+def test_seeded_prompts_enter_the_draft_context_when_their_rows_first_draft(monkeypatch):
+    """Prompts wait (`seed`) and reach the draft, before the rounds' buffered features and
+    exactly as an eager append would put them, only when their rows draft."""
+    draft, cache, pending, feat = setup(rows=3)
+    torch.manual_seed(0)
+    prompts = torch.randn(3, 6, feat, dtype=torch.float64)
+    lengths = torch.tensor([6, 4, 5])
+    rounds = torch.randn(3, 2, feat, dtype=torch.float64)
+    pending.seed(0, prompts, lengths)
+    for t in range(2):
+        pending.add(rounds[:, t:t + 1], torch.ones(3, dtype=torch.long))
+    assert cache.lengths.tolist() == [0, 0, 0]              # nothing ran the draft yet
+    pending.flush(2)                                        # rows 0 and 1 draft
+    assert cache.lengths.tolist() == [8, 6, 0] and pending.prompts[2] is not None
+    eager = draft.new_cache(2, 256)
+    draft.append_context(eager, prompts[:2], lengths[:2])
+    draft.append_context(eager, rounds[:2], 2)
+    for layer in range(len(draft.layers)):
+        for r, n in enumerate([8, 6]):
+            torch.testing.assert_close(cache.k[layer, r, :, :n], eager.k[layer, r, :, :n], rtol=0, atol=1e-12)
+            torch.testing.assert_close(cache.v[layer, r, :, :n], eager.v[layer, r, :, :n], rtol=0, atol=1e-12)
+    with pytest.raises(BlockspecError, match="empty row"):
+        pending.seed(0, prompts[:1], lengths[:1])           # row 0 already has context
+
+
+def test_finished_rows_leave_without_running_the_draft(monkeypatch):
+    draft, cache, pending, feat = setup(rows=3)
+    appended = []
+    monkeypatch.setattr(draft, "append_context", lambda *a: appended.append(a))
+    prompts = torch.randn(3, 5, feat, dtype=torch.float64)
+    pending.seed(0, prompts, torch.tensor([5, 3, 4]))
+    pending.add(torch.randn(3, 1, feat, dtype=torch.float64), torch.ones(3, dtype=torch.long))
+    pending.keep_rows([2, 0])                               # row 1 finished: rows 2, 0 become 0, 1
+    assert appended == []
+    assert [p[0].shape[0] for p in pending.prompts[:2]] == [4, 5] and pending.prompts[2] is None
+    assert torch.equal(pending.prompts[0][0], prompts[2, :4])
+    assert pending.lengths.tolist() == [1, 1, 0]

@@ -307,6 +307,9 @@ class CapturedContext:
     def add(self, features: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor | None = None) -> None:
         self.steps.append_context(features, counts)   # DFlash / DSpark only: no token reads its context
 
+    def keep_rows(self, keep: list[int]) -> None:
+        pass   # nothing buffered: the runner keeps its caches' rows (`CapturedSteps.keep_rows`)
+
 
 class CapturedForwards(Forwards):
     """The round's forwards as captured steps (dense rows): the draft's block forward and the

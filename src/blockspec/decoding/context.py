@@ -27,6 +27,9 @@ class DraftContext(Protocol):
         """Row r (of the first features.shape[0]) committed the tokens of its first counts[r]
         features; next_tokens [R, W] (EAGLE-3): the token committed after each of them."""
 
+    def keep_rows(self, keep: list[int]) -> None:
+        """Rows keep[i] become rows i (the others finished), as the caches' rows do."""
+
 
 class PendingContext:
     """Target features of tokens each row has committed that the draft has not yet
@@ -44,7 +47,11 @@ class PendingContext:
     recent window (its draft cache emptied, the window appended at positions 0..: RoPE
     sees the same relative positions). The draft then sees a shorter context, which may
     cost acceptance for a few rounds but never correctness: verification alone decides
-    what is committed."""
+    what is committed.
+
+    A prompt's features wait here too (`seed`, from generate's prefill) until the row
+    first drafts: a call whose rows never draft (sampling where drafting does not pay)
+    never projects its prompts into the draft's K/V."""
 
     def __init__(self, draft: AnyDraft, cache: KVCache, capacity: int, keep: int | None = None) -> None:
         self.draft, self.cache, self.capacity = draft, cache, capacity
@@ -57,6 +64,41 @@ class PendingContext:
         self.tokens: torch.Tensor | None = None  # [rows, capacity] the tokens after them (EAGLE-3)
         self.lengths = torch.zeros(cache.rows, dtype=torch.long)
         self.cut = torch.zeros(cache.rows, dtype=torch.bool)   # the buffer no longer continues the draft context
+        # Per row: its prompt's features [T, F] (and next tokens [T], EAGLE-3), not yet in its draft context.
+        self.prompts: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * cache.rows
+
+    def seed(self, start: int, features: torch.Tensor, counts: torch.Tensor,
+             next_tokens: torch.Tensor | None = None) -> None:
+        """Rows start, start + 1, ... (one per features row) committed their prompts: row
+        start + i's first counts[i] features (and next_tokens) wait until it first drafts.
+        Their draft context must be empty."""
+        for i, n in enumerate(counts.tolist()):
+            if int(self.cache.lengths[start + i]) or int(self.lengths[start + i]):
+                raise BlockspecError("pending context: a prompt seeds an empty row only")  # invariant
+            self.prompts[start + i] = (features[i, :n], None if next_tokens is None else next_tokens[i, :n])
+
+    def _flush_prompts(self, start: int, rows: int) -> None:
+        """Rows start..rows-1 whose prompts wait append them to their (empty) draft context,
+        a contiguous run of such rows in one draft forward."""
+        row = start
+        while row < rows:
+            if self.prompts[row] is None:
+                row += 1
+                continue
+            end = row
+            while end < rows and self.prompts[end] is not None:
+                end += 1
+            parts = [p for p in self.prompts[row:end] if p is not None]
+            counts = torch.tensor([f.shape[0] for f, _ in parts], device=self.cache.lengths.device)
+            features = torch.nn.utils.rnn.pad_sequence([f for f, _ in parts], batch_first=True)
+            cache = self.cache.slice_rows(row, end)
+            if parts[0][1] is not None:
+                tokens = torch.nn.utils.rnn.pad_sequence([t for _, t in parts if t is not None], batch_first=True)
+                self.draft.append_context(cache, features, counts, tokens)
+            else:
+                self.draft.append_context(cache, features, counts)
+            self.prompts[row:end] = [None] * (end - row)
+            row = end
 
     def add(self, features: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor | None = None) -> None:
         """Row r (of the first features.shape[0]) appends its first counts[r] features (and
@@ -109,13 +151,18 @@ class PendingContext:
             self.tokens[rows_at, :self.keep] = self.tokens[rows_at.unsqueeze(1), cols_at]
         self.lengths[full] = self.keep
         self.cut[full] = True
+        for row in full.tolist():   # rebuilt from the recent window: the prompt is not part of it
+            self.prompts[row] = None
 
     def room(self, rows: int) -> int:
         return self.capacity - int(self.lengths[:rows].max()) if rows else self.capacity
 
     def flush(self, rows: int, start: int = 0) -> None:
-        """Append rows start..rows-1's buffered features to their draft context; a cut
-        row's draft context is first emptied (rebuilt from its recent window)."""
+        """Append rows start..rows-1's waiting prompts, then their buffered features, to
+        their draft context; a cut row's draft context is first emptied (rebuilt from its
+        recent window)."""
+        if any(p is not None for p in self.prompts[start:rows]):
+            self._flush_prompts(start, rows)
         n = int(self.lengths[start:rows].max()) if rows > start else 0
         if n == 0:
             return
@@ -134,6 +181,7 @@ class PendingContext:
     def clear(self, start: int, stop: int) -> None:
         self.lengths[start:stop] = 0
         self.cut[start:stop] = False
+        self.prompts[start:stop] = [None] * (stop - start)
 
     def _copy_rows(self, src: list[int], dst: list[int]) -> None:
         """Rows dst take rows src's buffered features, tokens, lengths and cut marks (advanced
@@ -145,6 +193,16 @@ class PendingContext:
                 self.tokens[dst, :n] = self.tokens[src, :n]
         self.lengths[dst] = self.lengths[src]
         self.cut[dst] = self.cut[src]
+        moved = [self.prompts[i] for i in src]
+        for i, prompt in zip(dst, moved):
+            self.prompts[i] = prompt
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Rows keep[i] become rows i with what they buffered (the draft cache keeps the same
+        rows: `KVCache.keep_rows`); the rows past them are emptied."""
+        rows = len(self.prompts)
+        self._copy_rows(keep, list(range(len(keep))))
+        self.clear(len(keep), rows)
 
     def swap(self, a: int, b: int) -> None:
         """Exchange rows a and b's buffered features."""
@@ -156,3 +214,5 @@ class PendingContext:
         self._copy_rows(src, dst)
         self.lengths[src] = 0
         self.cut[src] = False
+        for i in set(src) - set(dst):
+            self.prompts[i] = None

@@ -214,15 +214,15 @@ def _start(target: TargetModel, draft: AnyDraft | None, prompts: list[list[int]]
         draft_cache = draft.new_cache(len(prompts), capacity + width + PENDING_POSITIONS) if draft is not None else None
     sampler = RowSampler.from_params(params, target.device, histories=[(p, []) for p in prompts],
                                      vocab=target.config.vocab_size)
+    # The prompts' features and those of rounds that do not draft wait; the draft turns
+    # them into context K/V in one batch right before a row next drafts (`PendingContext`):
+    # a call that never drafts never runs the draft.
+    pending = (PendingContext(draft, draft_cache, PENDING_POSITIONS)
+               if draft is not None and draft_cache is not None and captured is None else None)
     t0 = time.perf_counter()
     done = prefill(target, cache, prompts, sampler, draft, draft_cache,
-                   [-1 if p.prompt_logprobs is None else p.prompt_logprobs for p in params])
-    # Rounds that do not draft buffer their target features; the draft turns them into
-    # context K/V in one batch right before it next drafts (`PendingContext`).
-    context = (PendingContext(draft, draft_cache, PENDING_POSITIONS)
-               if draft is not None and draft_cache is not None else None)
-    if captured is not None and draft is not None:
-        context = captured.context()
+                   [-1 if p.prompt_logprobs is None else p.prompt_logprobs for p in params], pending)
+    context = captured.context() if captured is not None and draft is not None else pending
     forwards = captured.forwards() if captured is not None else DENSE
     if options.forwards is not None:
         forwards = options.forwards(forwards)
@@ -244,8 +244,8 @@ def _drop_finished(owner: _Batch, active: list[int], states: list[RequestOutputS
     if len(keep) == len(active) or not keep:
         return [active[i] for i in keep]
     index = torch.tensor(keep, device=batch.anchors.device)
-    if batch.context is not None:   # buffered draft context leaves the buffer before rows move
-        batch.context.flush(len(active))
+    if batch.context is not None:   # buffered draft context moves with its rows
+        batch.context.keep_rows(keep)
     if owner.captured is not None:   # its buffers stay put: compiled graphs hold their addresses
         batch.cache, batch.draft_cache = owner.captured.keep_rows(keep)
     else:

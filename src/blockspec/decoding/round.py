@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from blockspec.config import temperature_band
-from blockspec.decoding.context import DraftContext
+from blockspec.decoding.context import DraftContext, PendingContext
 from blockspec.decoding.logprobs import TokenLogprob, prompt_logprobs, row_logprobs
 from blockspec.decoding.proposal import ConfidenceMap, Proposal, chain_proposal, markov_drafts, proposal_of
 from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify
@@ -72,17 +72,20 @@ class Prefilled:
 
 def prefill(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
             draft: AnyDraft | None = None, draft_cache: KVCache | None = None,
-            prompt_tops: list[int] | None = None) -> Prefilled:
+            prompt_tops: list[int] | None = None, pending: PendingContext | None = None) -> Prefilled:
     """Run the prompts through the target (right-padded, in groups of similar length:
     `padding_groups`), seed the draft context, and sample each row's first token (the
     first anchor; every row draws from its own generator, so grouping changes no
-    draw). prompt_tops[r] >= 0: also the log-probabilities of row r's prompt tokens."""
+    draw). prompt_tops[r] >= 0: also the log-probabilities of row r's prompt tokens.
+    pending: the prompts' features wait there until their rows first draft
+    (`PendingContext.seed`) instead of entering the draft context now."""
     groups = padding_groups([len(p) for p in prompts])
     tops = prompt_tops if prompt_tops is not None else [-1] * len(prompts)
     if len(groups) == 1:
-        return _prefill_rows(target, cache, prompts, sampler, draft, draft_cache, tops)
+        return _prefill_rows(target, cache, prompts, sampler, _ContextSink(draft, draft_cache, pending, 0), tops)
     parts = [_prefill_rows(target, cache.slice_rows(a, b), prompts[a:b], sampler.select(list(range(a, b))),
-                           draft, draft_cache.slice_rows(a, b) if draft_cache is not None else None, tops[a:b])
+                           _ContextSink(draft, draft_cache.slice_rows(a, b) if draft_cache is not None else None,
+                                        pending, a), tops[a:b])
              for a, b in groups]
 
     def joined(name: str) -> list | None:
@@ -91,8 +94,30 @@ def prefill(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampl
     return Prefilled(torch.cat([p.anchors for p in parts]), joined("logprobs"), joined("prompt_logprobs"))
 
 
+@dataclass
+class _ContextSink:
+    """Where prefilled rows' features go: the draft context (its cache, rows from 0) or,
+    with `pending`, a PendingContext's rows first_row, first_row + 1, ..."""
+
+    draft: AnyDraft | None
+    draft_cache: KVCache | None
+    pending: PendingContext | None
+    first_row: int
+
+    def take(self, features: torch.Tensor, lengths: torch.Tensor, after: torch.Tensor | None) -> None:
+        """Row r's first lengths[r] features (after [R, T]: the token after each, EAGLE-3)."""
+        assert self.draft is not None and self.draft_cache is not None
+        if self.pending is not None:
+            self.pending.seed(self.first_row, features, lengths, after)
+        elif after is not None:
+            self.draft.append_context(self.draft_cache, features, lengths, after)
+        else:
+            self.draft.append_context(self.draft_cache, features, lengths)
+
+
 def _prefill_rows(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
-                  draft: AnyDraft | None, draft_cache: KVCache | None, prompt_tops: list[int]) -> Prefilled:
+                  sink: _ContextSink, prompt_tops: list[int]) -> Prefilled:
+    draft = sink.draft
     device = target.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
@@ -112,11 +137,9 @@ def _prefill_rows(target: TargetModel, cache: KVCache, prompts: list[list[int]],
         logits = out.logits
     anchors = sample(sampler.adjusted(logits), sampler)[0][:, 0]
     if draft is not None:
-        assert draft_cache is not None and out.features is not None
-        if isinstance(draft, Eagle3Drafter):   # EAGLE-3 pairs each position with the token after it
-            draft.append_context(draft_cache, out.features, lengths, next_tokens(ids, lengths, anchors))
-        else:
-            draft.append_context(draft_cache, out.features, lengths)
+        assert out.features is not None   # EAGLE-3 pairs each position with the token after it
+        sink.take(out.features, lengths,
+                  next_tokens(ids, lengths, anchors) if isinstance(draft, Eagle3Drafter) else None)
     return Prefilled(anchors, first_logprobs(logits, anchors, sampler), scored)
 
 
