@@ -16,29 +16,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import sys
 import tempfile
 from pathlib import Path
 
 from blockspec import Tokenizer, embedded
+from blockspec.bench.context import save_windowed_copy
 from blockspec.bench.datasets import heldout_code
 from blockspec.bench.metrics import markdown_table
 from blockspec.bench.report import CONTEXT_COLUMNS, context_rows
 from blockspec.bench.run import BenchOptions, run_bench
 from blockspec.config import TargetConfig
-from blockspec.models.checkpoint import load_draft, save_draft
-from blockspec.models.draft import DraftModel
-
-
-def windowed_copy(draft_dir: Path, window: int, out: Path) -> Path:
-    draft = load_draft(draft_dir, dtype="float32")
-    cfg = dataclasses.replace(draft.config, layer_types=("sliding_attention",) * draft.config.num_hidden_layers,
-                              sliding_window=window, causal=False)
-    copy = DraftModel(cfg)
-    copy.load_state_dict(draft.state_dict())
-    save_draft(copy, out)
-    return out
 
 
 def main() -> int:
@@ -66,7 +54,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         drafts = {"full": draft}
         if args.window:
-            drafts[f"window {args.window} (inference only)"] = windowed_copy(draft, args.window, Path(tmp) / "w")
+            drafts[f"window {args.window} (inference only)"] = save_windowed_copy(draft, args.window, Path(tmp) / "w")
         for name, path in drafts.items():
             options = BenchOptions(methods=["dflash"], temperatures=[0.0], max_new_tokens=args.max_new_tokens,
                                    limit=args.limit, out_dir=Path(tmp) / "out", ignore_eos=args.ignore_eos,
