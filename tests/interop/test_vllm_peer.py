@@ -129,4 +129,6 @@ def test_vllm_runs_our_windowed_draft_as_blockspec_does(tmp_path, prompts, which
         assert (per_pos, rounds) not in others
     result = vllm_run(tmp_path, draft, "dflash", prompts, patch=patch)
     assert result["tokens"] == ar
-    assert result["counters"]["num_drafts"] == rounds and result["counters"]["accepted_per_pos"] == per_pos
+    counters = result["counters"]   # tau = 1 + accepted / drafts, as vllm_peer reports it
+    assert counters["num_drafts"] == rounds and counters["accepted_per_pos"] == per_pos
+    assert counters["num_accepted_tokens"] == sum(per_pos)
