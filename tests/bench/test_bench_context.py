@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from blockspec.bench.arms import RunRecord
-from blockspec.bench.context import ContextAcceptance, bucket_of, round_positions
+from blockspec.bench.context import ContextAcceptance, bucket_of, round_positions, save_windowed_copy
 from blockspec.bench.measure import ArmTotals
 from blockspec.bench.report import context_rows
 from blockspec.decoding.output import RequestStats
+from blockspec.interop import EngineCompatibilityWarning
+from blockspec.models.checkpoint import load_draft, save_draft
+from conftest import make_draft, make_target
 
 
 def test_round_positions_follow_the_tokens_each_round_produced():
@@ -47,3 +51,28 @@ def test_the_report_shows_the_buckets_next_to_the_overall_figure():
            "acceptance": {"rounds": 2, "tau": 2.0, "per_slot": [1.0, 0.0, None]}, "by_context": acc.table()}
     rows = context_rows([row, {**row, "drafts": 0}])
     assert [r["context"] for r in rows] == ["all", "512-2k"] and rows[0]["per_slot"] == "1.00 0.00 -"
+
+
+def test_a_windowed_copy_is_the_same_draft_with_every_layer_sliding(tmp_path):
+    """save_windowed_copy (the benchmarks' and the vLLM test's windowed variant): same weights,
+    every layer `sliding_attention` over W, non-causal unless asked, and the cut changes the block."""
+    target = make_target()
+    draft = make_draft(target, "zlab", 4, layers=2)
+    save_draft(draft, tmp_path / "full")
+    with pytest.warns(EngineCompatibilityWarning):   # dflash_config.causal: SGLang does not read it
+        save_windowed_copy(tmp_path / "full", 3, tmp_path / "w3")
+    copy = load_draft(tmp_path / "w3", target=target)
+    assert copy.config.layer_types == ("sliding_attention",) * 2 and copy.config.sliding_window == 3
+    assert copy.config.causal is False
+    assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), draft.state_dict().values()))
+    save_windowed_copy(tmp_path / "full", 3, tmp_path / "w3c", causal=None)
+    assert load_draft(tmp_path / "w3c", target=target).config.layer_causal(0)
+    features = torch.randn(1, 9, len(draft.config.target_layer_ids) * draft.config.hidden_size,
+                           generator=torch.Generator().manual_seed(0))
+    block = torch.tensor([[5, 2, 2, 2]])
+    outs = []
+    for model in (draft, copy):
+        cache = model.new_cache(1, 32)
+        model.append_context(cache, features, 9)
+        outs.append(model.block_hidden(block, cache, target.embed_tokens))
+    assert not torch.allclose(outs[0], outs[1])

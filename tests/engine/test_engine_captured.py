@@ -9,11 +9,9 @@ records, run as is), so equality is exact and the host reads are visible to Pyth
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 import blockspec.engine.engine as engine_module
 from blockspec import EngineOptions, PolicyOptions
@@ -26,6 +24,7 @@ from blockspec.errors import BlockspecError
 from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.serving.server import add_serve_arguments
 from conftest import make_draft, make_eagle3, make_target
+from host_reads import HostReads
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [4, 4, 4, 4],
            [20, 21, 22], [30, 31, 32, 33, 34, 35], [40, 2]]
@@ -151,31 +150,6 @@ def test_seeded_sampling_captured_equals_eager(target64, config):
     assert drive(engine(target64, config, True), work, seed=5) == eager
 
 
-HOST_READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
-
-
-class HostReads(TorchFunctionMode):
-    """Every read of a tensor's value on the host (what waits for a GPU: .item(), .tolist(),
-    .cpu(), bool() / int() / float() / indexing with a tensor), as (read, the blockspec
-    function that made it, inside a captured step?). A TorchFunctionMode sees the calls
-    wherever they are made, in any module, so a new read anywhere is counted. On the CPU
-    a read of a host-born tensor counts too: the expected lists name each read."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[tuple[str, str, bool]] = []
-        self.in_step = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_READS:
-            frame = sys._getframe(1)
-            while frame is not None and "blockspec" not in frame.f_code.co_filename:
-                frame = frame.f_back
-            self.reads.append((name, frame.f_code.co_name if frame is not None else "?", self.in_step))
-        return func(*args, **(kwargs or {}))
-
-
 def watch(monkeypatch, eng: Engine) -> HostReads:
     """Host reads during the engine's rounds (`speculative_round`), steps marked."""
     mode = HostReads()
@@ -205,8 +179,9 @@ HOST_BORN = {("__int__", "verified_width"),   # verify lengths, planned on the h
              ("tolist", "curve"),             # the draft gate's measured curves
              ("tolist", "_dense_upto")}       # the cost table
 # Device reads beyond the outcome, DSpark only: the early stop of drafting (fewer than 8 rows,
-# one per drafted slot) and the policy's learning from the confidences (after the outcome).
-DSPARK_READS = {("__bool__", "markov_drafts"), ("cpu", "observe")}
+# one per drafted slot) and the policy's learning from the confidences (after the outcome:
+# one copy, then per-band boolean masks of that host copy).
+DSPARK_READS = {("__bool__", "markov_drafts"), ("cpu", "observe"), ("__getitem__", "observe")}
 
 
 @pytest.mark.parametrize("config", CONFIGS)

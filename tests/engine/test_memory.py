@@ -141,9 +141,11 @@ def test_a_windowed_draft_counts_only_its_window(types):
     positions = length + full.margin + full.pending_positions
     saved = sliding * per_layer_position * (positions - cfg.window_span)
     assert full.slot_bytes(length) - windowed.slot_bytes(length) == saved
+    assert full.draft_kv_bytes(length) - windowed.draft_kv_bytes(length) == saved
     with torch.device("meta"):
         draft = DraftModel(cfg).to(torch.bfloat16)
     plan = plan_kv(windowed, 60 * GIB, MAX_NUM_SEQS, length)
     pool = SlotPool(model, draft, plan)
     allocated = pool.cache.nbytes + pool.draft_cache.nbytes
     assert allocated + plan.slots * windowed.pending_bytes == plan.total_bytes
+    assert pool.draft_cache.nbytes == plan.slots * windowed.draft_kv_bytes(length)   # the draft's share alone

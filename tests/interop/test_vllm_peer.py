@@ -2,7 +2,9 @@
 the same token-id prompts give the same greedy tokens in both engines, vLLM's DFlash output equals
 its AR output, and vLLM's per-position acceptance equals blockspec's once vLLM's context-K norm
 runs per layer (its CPU kernel reads a stacked [layers, head_dim] weight as layer 0's: issue 29,
-docs/results.md). On the shipped DFlash draft and on a 2-layer draft trained here."""
+docs/results.md). On the shipped DFlash draft and on a 2-layer draft trained here; and sliding-window
+drafts (issue 34): vLLM's CPU attention honours the window as blockspec does (the same tokens, the
+same acceptance position by position, where one position more or less in the window changes it)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from blockspec import PolicyOptions, SamplingParams, generate, load_draft, load_target
+from blockspec.bench.context import save_windowed_copy
 from blockspec.bench.datasets import humaneval
 from blockspec.models.tokenizer import Tokenizer
 
@@ -59,21 +62,24 @@ def blockspec_run(draft_dir: Path | None, prompts: list[list[int]]) -> tuple[lis
     return [list(c.tokens) for c in out.completions], per_pos, sum(c.stats.rounds for c in out.completions)
 
 
-@pytest.fixture(scope="module")
-def trained_draft(tmp_path_factory, prompts) -> Path:
-    """A 2-layer DFlash draft trained here for a few steps on the target's own continuations
-    (two layers: their k_norm weights differ, which is what vLLM's CPU norm gets wrong)."""
-    root = tmp_path_factory.mktemp("vllm_draft")
+def train_draft(root: Path, prompts: list[list[int]], *flags: str) -> Path:
+    """A DFlash draft trained here for a few steps on the target's own continuations."""
     ar, _, _ = blockspec_run(None, prompts)
     with open(root / "data.jsonl", "w") as f:
         for p, t in zip(prompts, ar):
             f.write(json.dumps({"prompt_ids": p, "response_ids": t}) + "\n")
     proc = subprocess.run([sys.executable, "-m", "blockspec.cli", "train", "--method", "dflash", "--data",
-                           str(root / "data.jsonl"), "--out", str(root / "run"), "--block-size", "8", "--num-layers",
-                           "2", "--max-steps", "4", "--batch-size", "2", "--max-len", "256", "--eval-every", "1000",
-                           "--save-every", "1000", "--init-from-target"], capture_output=True, text=True, timeout=900)
+                           str(root / "data.jsonl"), "--out", str(root / "run"), "--block-size", "8", "--max-steps",
+                           "4", "--batch-size", "2", "--max-len", "256", "--eval-every", "1000", "--save-every", "1000",
+                           "--init-from-target", *flags], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root / "run" / "draft"
+
+
+@pytest.fixture(scope="module")
+def trained_draft(tmp_path_factory, prompts) -> Path:
+    """2 layers: their k_norm weights differ, which is what vLLM's CPU norm gets wrong."""
+    return train_draft(tmp_path_factory.mktemp("vllm_draft"), prompts, "--num-layers", "2")
 
 
 @pytest.mark.parametrize("which", ["shipped", "trained"])
@@ -89,3 +95,40 @@ def test_vllm_runs_our_draft_as_blockspec_does(tmp_path, prompts, trained_draft,
     assert fixed["tokens"] == ar
     counters = fixed["counters"]
     assert counters["num_drafts"] == rounds and counters["accepted_per_pos"] == per_pos
+
+
+WINDOW = 32   # the prompts are 83..293 tokens: the window cuts every round's context
+
+
+def window_acceptance(root: Path, window: int, prompts: list[list[int]]) -> tuple[list[int], int]:
+    """(accepted drafts per position, rounds) of the shipped draft with this window, in blockspec."""
+    return tuple(blockspec_run(save_windowed_copy(ASSETS / "dflash", window, root / f"w{window}"), prompts)[1:])
+
+
+@pytest.mark.parametrize("which", ["shipped, every layer sliding", "trained, one sliding layer"])
+def test_vllm_runs_our_windowed_draft_as_blockspec_does(tmp_path, prompts, which):
+    """The shipped draft with a window of 32 (non-causal blocks, as trained; 4 layers, so with the
+    norm fix) and a 1-layer draft trained here with --draft-sliding-window 16 (causal, the
+    engines' default for sliding layers): vLLM's greedy tokens are the target's and its
+    acceptance is blockspec's, per position. For the shipped one a window one position wider
+    or narrower, or none, changes blockspec's acceptance, so the equality pins vLLM's window
+    to the same positions (q - W < j)."""
+    assert min(len(p) for p in prompts) > WINDOW
+    ar, _, _ = blockspec_run(None, prompts)
+    shipped = which.startswith("shipped")
+    if shipped:
+        draft, patch = save_windowed_copy(ASSETS / "dflash", WINDOW, tmp_path / "draft"), True
+    else:
+        draft, patch = train_draft(tmp_path, prompts, "--num-layers", "1", "--draft-sliding-window", "16"), False
+        assert json.loads((draft / "config.json").read_text())["layer_types"] == ["sliding_attention"]
+    ours, per_pos, rounds = blockspec_run(draft, prompts)
+    assert ours == ar
+    if shipped:
+        others = [window_acceptance(tmp_path, w, prompts) for w in (WINDOW - 1, WINDOW + 1)]
+        others.append(tuple(blockspec_run(ASSETS / "dflash", prompts)[1:]))
+        assert (per_pos, rounds) not in others
+    result = vllm_run(tmp_path, draft, "dflash", prompts, patch=patch)
+    assert result["tokens"] == ar
+    counters = result["counters"]   # tau = 1 + accepted / drafts, as vllm_peer reports it
+    assert counters["num_drafts"] == rounds and counters["accepted_per_pos"] == per_pos
+    assert counters["num_accepted_tokens"] == sum(per_pos)

@@ -14,6 +14,7 @@ from blockspec.models.draft import DraftModel
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.window_cache import WindowedKVCache
 from conftest import make_draft, make_target
+from host_reads import HostReads
 
 F, S = "full_attention", "sliding_attention"
 
@@ -128,3 +129,63 @@ def test_row_moves_and_swaps_keep_the_ring(target):
     cache.move_rows([0], [1])
     moved = draft.block_hidden(block[1:], cache.slice_rows(1, 2), target.embed_tokens)   # row 1 is row 1 again
     torch.testing.assert_close(moved[0], before[1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_ring_write_reads_nothing_on_the_host(target):
+    """The ring write is static-shape index arithmetic: no value read, no nonzero, no boolean
+    mask index (each would stall a GPU once per layer and break a captured step)."""
+    draft = windowed(target, (F, S, S), 3)
+    cache = draft.new_cache(3, 64)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 3, 2, 9, 8, generator=g)
+    slots = cache.positions(9)
+    with HostReads() as mode:
+        for layer in range(3):
+            cache.write(layer, k, v, slots, torch.tensor([9, 0, 2]))   # an append of ragged rows
+            cache.write(layer, k[:, :, :4], v[:, :, :4], slots[:, :4])   # a block: every column real
+    assert mode.reads == []
+
+
+def test_the_ring_holds_the_dense_window_through_wraps_and_rollbacks(target):
+    """After every append (ragged, empty rows, wider than the ring, so several columns share a
+    slot) the ring holds, as the dense definition gives them, each row's new positions and
+    the W - 1 before them; a block's scratch (rolled back: the next append commits fewer
+    positions than the block wrote) overwrites only what no later window reads, so after it
+    the last W - 1 context positions, the next anchor's window, are intact."""
+    draft = windowed(target, (S, F), 3)
+    cfg = draft.config
+    window = cfg.sliding_window
+    cache = draft.new_cache(3, 200)
+    span = cache.span
+    g = torch.Generator().manual_seed(7)
+    dim = len(cfg.target_layer_ids) * cfg.hidden_size
+    feats = [torch.empty(0, dim) for _ in range(3)]
+
+    def check(depth: list[int]):
+        """Ring slots of positions L - depth[r] .. L - 1 of each row against the definition."""
+        ring_k, ring_v = cache.view(0, 10_000)
+        held = cache.key_positions(cache.lengths - 1, 10_000)
+        checked = 0
+        for r, f in enumerate(feats):
+            n = f.shape[0]
+            if n == 0:
+                continue
+            (want_k, want_v), _ = draft.context_kv(f.unsqueeze(0), torch.arange(n).unsqueeze(0))
+            for slot in range(span):
+                pos = int(held[r, slot])
+                if max(0, n - min(depth[r], span)) <= pos:
+                    torch.testing.assert_close(ring_k[r, :, slot], want_k[0, :, pos], rtol=1e-6, atol=1e-6)
+                    torch.testing.assert_close(ring_v[r, :, slot], want_v[0, :, pos], rtol=1e-6, atol=1e-6)
+                    checked += 1
+        assert checked >= window - 1
+
+    for step, counts in enumerate(([13, 0, 5], [1, 4, 0], [4, 2, 3], [0, 1, 14], [2, 4, 1], [3, 3, 3], [1, 0, 2])):
+        new = torch.randn(3, max(counts), dim, generator=g)
+        draft.append_context(cache, new, torch.tensor(counts))
+        feats = [torch.cat([f, new[r, :counts[r]]]) for r, f in enumerate(feats)]
+        check([span if step == 0 else c + window - 1 for c in counts])   # no scratch yet before the first
+        block = torch.randint(0, cfg.vocab_size, (3, cfg.block_size), generator=g)
+        torch.testing.assert_close(draft.block_hidden(block, cache, target.embed_tokens),
+                                   reference_block(draft, feats, block, target.embed_tokens), rtol=1e-5, atol=1e-5)
+        check([window - 1] * 3)
+    assert int(cache.lengths.min()) > 2 * span   # every row wrapped, one of them within one append

@@ -9,11 +9,16 @@ and into equal-width position bins for the plot of tau against context position.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
+from blockspec.config.draft_attention import SLIDING
 from blockspec.metrics import AcceptanceStats
+from blockspec.models.checkpoint import load_draft, save_draft
+from blockspec.models.draft import DraftModel
 
 # (label, first position, end position or None)
 CONTEXT_BUCKETS = (("<512", 0, 512), ("512-2k", 512, 2048), ("2k-8k", 2048, 8192), ("8k+", 8192, None))
@@ -68,3 +73,17 @@ class ContextAcceptance:
         return {"position": [(k + 0.5) * width for k in keys],
                 "tau": [sum(tokens[k]) / len(tokens[k]) for k in keys],
                 "rounds": [len(tokens[k]) for k in keys]}
+
+
+def save_windowed_copy(draft_dir: Path, window: int, out: Path, causal: bool | None = False) -> Path:
+    """The draft at `draft_dir` with every layer sliding over `window` positions, same weights,
+    saved to `out` (float32): what cutting the context costs a draft not trained with a window.
+    causal=False keeps its blocks non-causal as trained (None: the engines' default for
+    sliding layers, causal)."""
+    draft = load_draft(draft_dir, dtype="float32")
+    cfg = dataclasses.replace(draft.config, layer_types=(SLIDING,) * draft.config.num_hidden_layers,
+                              sliding_window=window, causal=causal)
+    copy = DraftModel(cfg)
+    copy.load_state_dict(draft.state_dict())
+    save_draft(copy, out)
+    return out

@@ -71,9 +71,15 @@ class KVShapes:
                    pending * len(draft.target_layer_ids) * draft.hidden_size * 4, model_len, ring)
 
     def slot_bytes(self, max_model_len: int) -> int:
-        capacity = max_model_len + self.margin
-        return (self.target_per_position * capacity + self.draft_per_position * (capacity + self.pending_positions)
-                + self.pending_bytes + self.draft_window_bytes)
+        return (self.target_per_position * (max_model_len + self.margin) + self.draft_kv_bytes(max_model_len)
+                + self.pending_bytes)
+
+    def draft_kv_bytes(self, max_model_len: int) -> int:
+        """The draft's K/V in one slot: full layers over the slot's positions and the buffered
+        context, sliding layers their fixed ring."""
+        if not self.draft_per_position and not self.draft_window_bytes:
+            return 0
+        return self.draft_per_position * (max_model_len + self.margin + self.pending_positions) + self.draft_window_bytes
 
     def longest_fitting(self, budget: int) -> int:
         """The longest max_model_len one slot of which fits in `budget` bytes (may be < 1)."""

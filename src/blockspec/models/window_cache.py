@@ -7,9 +7,10 @@ writing it never overwrites a context position it reads. The context only grows
 (committed positions) and the block's K/V are scratch overwritten by the next append,
 so rollback stays exact with the ring: nothing is ever cut back.
 
-Both parts share one `lengths` tensor (the row's committed positions). An append writes
-only each row's valid new positions (`counts`), and of those only the last `span`: a
-padding column would otherwise land in the slot of a position still in the window.
+Both parts share one `lengths` tensor (the row's committed positions). An append leaves
+each ring slot holding the last of a row's real new positions (`counts`) that maps to it,
+or what it held: a padding column would otherwise land in the slot of a position still in
+the window. The write has static shapes and reads nothing on the host (see `write`).
 """
 
 from __future__ import annotations
@@ -79,13 +80,23 @@ class WindowedKVCache:
         if not self.ring_layers[layer]:
             self.full.write(i, k, v, slots)
             return
-        col = torch.arange(slots.shape[1], device=slots.device).expand_as(slots)
-        real = torch.full_like(slots[:, :1], slots.shape[1]) if counts is None else counts.view(-1, 1)
-        keep = (col < real) & (col >= real - self.span)   # only the last `span` real columns of each row
-        rows, cols = keep.nonzero(as_tuple=True)
-        ring = slots[rows, cols] % self.span
-        self.rk[i][rows, :, ring] = k.transpose(1, 2)[rows, cols]
-        self.rv[i][rows, :, ring] = v.transpose(1, 2)[rows, cols]
+        span = self.span
+        col = torch.arange(slots.shape[1], device=slots.device)
+        real = slots.shape[1] if counts is None else counts.view(-1, 1)
+        # A row's columns are consecutive positions, so column c shares its ring slot with every
+        # column congruent to it mod span, and the value that slot must end with is that of the
+        # last real column among them: `owner` (negative: no real column has that slot, which
+        # keeps what it holds). Every column then writes its slot's final value, so writes that
+        # meet in one slot carry equal values and their order does not matter: a static-shape
+        # index write with no mask, no nonzero, no host read (a captured step can hold it).
+        owner = (real - 1 - torch.remainder(real - 1 - col, span)).expand_as(slots)   # [rows, T]
+        dev = slots.device
+        index = (torch.full((1, 1, 1), i, device=dev), torch.arange(slots.shape[0], device=dev).view(-1, 1, 1),
+                 torch.arange(k.shape[1], device=dev).view(1, -1, 1), (slots % span).unsqueeze(1))
+        take = owner.clamp(min=0).unsqueeze(1).unsqueeze(-1).expand(-1, k.shape[1], -1, k.shape[3])
+        new = (owner >= 0).unsqueeze(1).unsqueeze(-1)
+        for ring, x in ((self.rk, k), (self.rv, v)):
+            ring.index_put_(index, torch.where(new, x.gather(2, take), ring[index]))
 
     def view(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self._index[layer]
