@@ -37,6 +37,7 @@ from pathlib import Path
 
 from blockspec import Tokenizer, embedded
 from blockspec.bench.context import save_windowed_copy
+from blockspec.bench import plots
 from blockspec.bench.datasets import heldout_code
 from blockspec.bench.metrics import markdown_table
 from blockspec.bench.report import CONTEXT_COLUMNS, context_rows
@@ -101,6 +102,7 @@ def main() -> int:
     p.add_argument("--max-chars", type=int, default=4000, help="held-out prompts: characters of each file head")
     p.add_argument("--memory-at", type=int, default=0, help="context of the memory table (default: the limit)")
     p.add_argument("--memory-only", action="store_true", help="print only the memory table (needs --window)")
+    p.add_argument("--plot", default=None, help="also draw tau against context position of every draft (a PNG path)")
     args = p.parse_args()
     if args.memory_only and not args.window:
         p.error("--memory-only needs --window")
@@ -133,6 +135,7 @@ def main() -> int:
               f"{args.max_chars} characters), {args.max_new_tokens} new tokens, greedy, fixed full windows (every "
               f"round drafts the whole block){', ignore_eos' if args.ignore_eos else ''}. Acceptance only "
               "(no timings).\n")
+        curves = {}
         for name, path in drafts.items():
             options = BenchOptions(methods=["dflash"], temperatures=[0.0], max_new_tokens=args.max_new_tokens,
                                    limit=args.limit, out_dir=Path(tmp) / "out", ignore_eos=args.ignore_eos,
@@ -146,6 +149,11 @@ def main() -> int:
             spec = next(r for r in results["rows"] if r["drafts"])
             print(f"Degeneracy of what it decoded ({name}): rep8 {spec['rep8']:.3f}, looping {spec['looping']:.3f} "
                   "(a high rep8 means tau measures a loop).\n")
+            curves[name] = spec["tau_by_position"]
+        if args.plot:
+            saved = plots.plot_tau_vs_position(curves, args.plot).resolve()
+            docs = Path("docs").resolve()   # a plot under docs/ is linked as results.md sees it
+            print(f"![tau vs context position]({saved.relative_to(docs) if saved.is_relative_to(docs) else saved})\n")
     return 0
 
 
