@@ -451,5 +451,5 @@ class Attention(nn.Module):
         q_rows = q.new_zeros(cache.rows, q.shape[1], width, q.shape[3])
         q_rows[rows, :, cols] = q[0].transpose(0, 1)
         ck, cv = cache.view(self.layer_idx, upto)
-        out = attend_cached(q_rows, ck, cv, mask)[rows, :, cols]            # [N, Hq, D]
+        out = attend_cached(q_rows, ck, cv, mask)[rows, :, cols]     # [N, Hq, D]
         return self.output(out.transpose(0, 1).unsqueeze(0))
