@@ -9,6 +9,8 @@ accepted), and token equality per prompt with blockspec's AR output in the same 
     python benchmarks/vllm_peer.py --limit 20 --every 8 --max-new-tokens 64 --dtypes float32 --batches 1,16
     python benchmarks/vllm_peer.py ... --patch-vllm-rmsnorm   # vLLM with its context-K norm per layer
     python benchmarks/vllm_peer.py ... --draft-window 32      # the draft with every layer sliding (issue 34)
+    python benchmarks/vllm_peer.py --engines blockspec --dtypes bfloat16 --limit 164 --every 1 --start 0 \
+        --batches 1 --no-speed                           # blockspec alone (no vLLM venv needed)
 
 DSpark is not run in vLLM on the CPU: its V1 runner refuses `dspark`, the V2 runner needs
 Triton, which has no CPU backend (printed as a note).
@@ -80,13 +82,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-speed", action="store_true",
                     help="leave out tok/s (a machine shared with other work: tokens and acceptance only)")
+    ap.add_argument("--engines", default="vllm,blockspec",
+                    help="comma-separated: vllm, blockspec (blockspec alone needs no vLLM venv)")
     ap.add_argument("--patch-vllm-rmsnorm", action="store_true",
                     help="vLLM with qwen3_dflash's context-K RMSNorm run per layer (the fix)")
     ap.add_argument("--draft-window", type=int, default=0,
                     help="run the draft with every layer sliding over this many positions (same weights, "
                          "non-causal blocks as trained; bench/context.py save_windowed_copy)")
     args = ap.parse_args()
-    if not Path(args.vllm_python).is_file():
+    engines = args.engines.split(",")
+    if not engines or set(engines) - {"vllm", "blockspec"}:
+        sys.exit(f"error: --engines takes vllm and/or blockspec, got {args.engines!r}")
+    if "vllm" in engines and not Path(args.vllm_python).is_file():
         sys.exit(f"error: no vLLM venv at {args.vllm_python} (bash benchmarks/vllm_peer_env.sh)")
     scratch = tempfile.TemporaryDirectory()   # the windowed copy, read by both engines
     if args.draft_window:
@@ -97,7 +104,7 @@ def main() -> None:
     window = json.loads((Path(args.draft) / "config.json").read_text())["block_size"] - 1   # z-lab: anchor + B-1
     rows, version = [], None
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in dtypes:
+        for dtype in (dtypes if "vllm" in engines else []):
             for method in ("ar", "dflash"):
                 job = {"target": args.target, "draft": args.draft, "window": window, "prompts": prompts,
                        "max_new_tokens": args.max_new_tokens, "dtype": dtype, "method": method, "batches": batches,
@@ -111,7 +118,7 @@ def main() -> None:
                 rows += result["rows"]
                 version = result["vllm"]
 
-    for dtype in dtypes:
+    for dtype in (dtypes if "blockspec" in engines else []):
         target = load_target(args.target, dtype=dtype)
         draft = load_draft(args.draft, target=target)
         for method in ("ar", "dflash"):
@@ -121,15 +128,18 @@ def main() -> None:
                 rows.append({"engine": "blockspec", "dtype": dtype, "method": method, "batch": batch,
                              "tokens": runs[0][0], "seconds": statistics.median(r[1] for r in runs),
                              "counters": runs[0][2]})
-    reference = {r["dtype"]: r["tokens"] for r in rows if r["engine"] == "blockspec" and r["method"] == "ar"
+    reference_engine = "blockspec" if "blockspec" in engines else "vllm"
+    reference = {r["dtype"]: r["tokens"] for r in rows if r["engine"] == reference_engine and r["method"] == "ar"
                  and r["batch"] == batches[0]}
     own_ar = {(r["engine"], r["dtype"], r["batch"]): r["tokens"] for r in rows if r["method"] == "ar"}
-    print(f"vLLM {version} (CPU build) vs blockspec, torch {torch.__version__}, {len(prompts)} HumanEval "
-          f"prompts (every {args.every}th from {args.start}), {args.max_new_tokens} new tokens, greedy, "
-          f"{'vLLM context-K norm patched per layer' if args.patch_vllm_rmsnorm else 'vLLM as installed'}"
-          f"{f', draft with every layer sliding over {args.draft_window} positions' if args.draft_window else ''}\n")
+    who = " vs ".join(f"vLLM {version} (CPU build)" if e == "vllm" else "blockspec" for e in engines)
+    patched = 'vLLM context-K norm patched per layer' if args.patch_vllm_rmsnorm else 'vLLM as installed'
+    window = f", draft with every layer sliding over {args.draft_window} positions" if args.draft_window else ""
+    print(f"{who}, torch {torch.__version__}, {len(prompts)} HumanEval "
+          f"prompts (every {args.every}th from {args.start}), {args.max_new_tokens} new tokens, greedy"
+          f"{', ' + patched if 'vllm' in engines else ''}{window}\n")
     speed = "" if args.no_speed else " tok/s |"
-    print(f"| engine | dtype | method | batch |{speed} tau | accepted per position 1-8 | == blockspec AR (same dtype) | == own AR (same dtype, batch) |")
+    print(f"| engine | dtype | method | batch |{speed} tau | accepted per position 1-8 | == {reference_engine} AR (same dtype) | == own AR (same dtype, batch) |")
     print("|---|---|---|---|" + ("" if args.no_speed else "---|") + "---|---|---|---|")
     for r in rows:
         new = sum(len(t) for t in r["tokens"])
@@ -139,8 +149,9 @@ def main() -> None:
         rate = "" if args.no_speed else f" {new / r['seconds']:.0f} |"
         print(f"| {r['engine']} | {r['dtype']} | {r['method']} | {r['batch']} |{rate} {tau} | "
               f"{curve} | {same}/{len(prompts)} | {own}/{len(prompts)} |")
-    print("\nDSpark: not run in vLLM on the CPU (V1 runner refuses method dspark; the V2 runner needs Triton, "
-          "which has no CPU backend).")
+    if "vllm" in engines:
+        print("\nDSpark: not run in vLLM on the CPU (V1 runner refuses method dspark; the V2 runner needs Triton, "
+              "which has no CPU backend).")
 
 
 if __name__ == "__main__":

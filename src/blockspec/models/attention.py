@@ -21,9 +21,14 @@ L[r]; what a query may see is a per-row key-length limit (docs/design.md section
   a few % of the forward, after 6-10 s of compiling per shape (docs/results.md,
   benchmarks/attention_kernels.py).
 - sliding-window layers keep a dense mask whenever a key can leave the window.
+- half precision (bf16 / fp16) on the CPU, a cached forward of at most
+  EXACT_MAX_QUERIES queries per row (decode, verify, packed verify, the draft's
+  block): `float64_attention`, so that a token's attention output does not depend
+  on how many queries or keys share the forward (docs/design.md, "Numerics").
 
 BLOCKSPEC_ATTENTION=sdpa|flex overrides the per-device choice (tests run the flex
-path on the CPU, eagerly, against the masked one).
+path on the CPU, eagerly, against the masked one); sdpa also turns the float64
+path off.
 """
 
 from __future__ import annotations
@@ -90,6 +95,47 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         causal, mask = mask.self_causal, mask.dense
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+# A verify forward is at most a few dozen tokens per row; longer cached forwards (later
+# prefill chunks) keep SDPA: the float64 scores would be [rows x heads x T x K] doubles.
+EXACT_MAX_QUERIES = 64
+
+
+def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention in float64 for half-precision q [B,H,T,D], k/v [B,Hkv,S,D], mask a bool
+    [B,1,T or 1,S] (True = may attend) or None: the result, cast back, is the same whether a
+    query runs alone (decode) or beside others (verify) and however many masked keys follow.
+
+    Why: SDPA's CPU kernel (and float32 GEMMs) order their float32 sums by the shapes of the
+    call (query tiles, key tails, gemv at one row), so a bf16 token's attention output could
+    differ by one bf16 ulp between the decode step and the verify forward, enough to flip a
+    near-tied greedy argmax. Products of bf16 / fp16 values are exact in float64 and their
+    sums over head_dim exact for any realistic range, so the scores carry no order; softmax
+    and P@V keep errors near 2^-50, far below the cast back to half precision (2^-9)."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv  # query head h reads kv head h // g (enable_gqa's grouping)
+    scores = torch.matmul(q.reshape(b, hkv, g * t, d).double(), k.double().transpose(-1, -2)) * (d ** -0.5)
+    if mask is not None:
+        keys = scores.shape[-1]
+        scores = scores.view(b, hkv, g, t, keys).masked_fill(~mask.unsqueeze(2), float("-inf"))
+        scores = scores.view(b, hkv, g * t, keys)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.double())
+    return out.view(b, hq, t, d).to(q.dtype)
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | KeyMask | None
+                  ) -> torch.Tensor:
+    """`attend` for queries appended to a KV cache (k/v: the cache's slots [0, upto)):
+    `float64_attention` for at most EXACT_MAX_QUERIES half-precision queries per row on the
+    CPU (unless BLOCKSPEC_ATTENTION=sdpa), else `attend`."""
+    dense = mask.dense if isinstance(mask, KeyMask) else mask
+    kernel_mask = isinstance(mask, KeyMask) and (mask.block is not None or mask.self_causal)
+    if (q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu" and not kernel_mask
+            and q.shape[2] <= EXACT_MAX_QUERIES and os.environ.get("BLOCKSPEC_ATTENTION", "auto") == "auto"):
+        return float64_attention(q, k, v, dense)
+    return attend(q, k, v, mask)
 
 
 def limit_block_mask(first_limit: torch.Tensor, q_len: int, kv_len: int, causal: bool) -> BlockMask:

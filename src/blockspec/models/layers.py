@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.config import RopeConfig
-from blockspec.models.attention import KeyMask, attend
+from blockspec.models.attention import KeyMask, attend, attend_cached
 from blockspec.models.kv_cache import KVCache
 
 
@@ -443,7 +443,7 @@ class Attention(nn.Module):
             if isinstance(mask, KeyMask) and mask.self_causal:  # empty rows: the cache holds just k, v
                 return self.output(attend(q, k, v, mask))
             ck, cv = cache.view(self.layer_idx, upto)
-            return self.output(attend(q, ck, cv, mask))
+            return self.output(attend_cached(q, ck, cv, mask))
         rows, cols = packed
         cache.write_packed(self.layer_idx, k[0], v[0], rows, slots)
         # Attention reads each row's cache once: queries are scattered to [R, Hq, W, D]
@@ -451,5 +451,5 @@ class Attention(nn.Module):
         q_rows = q.new_zeros(cache.rows, q.shape[1], width, q.shape[3])
         q_rows[rows, :, cols] = q[0].transpose(0, 1)
         ck, cv = cache.view(self.layer_idx, upto)
-        out = attend(q_rows, ck, cv, mask)[rows, :, cols]            # [N, Hq, D]
+        out = attend_cached(q_rows, ck, cv, mask)[rows, :, cols]     # [N, Hq, D]
         return self.output(out.transpose(0, 1).unsqueeze(0))
