@@ -4,7 +4,10 @@ next to fixed full windows, for greedy, temperature-1 and mixed workloads, measu
 side by side in one run; plus the process's peak resident memory.
 
     python benchmarks/engine_throughput.py [--concurrency 1,4,16,32] [--workloads greedy,t1]
-        [--mixed-at 16] [--repeats 3] [--methods ar,dflash,dspark[,dflash-fixed,dspark-fixed]]
+        [--mixed-at 16] [--repeats 3] [--methods ar,dflash,dspark[,eagle3,dflash-fixed,dspark-fixed,eagle3-fixed]]
+        [--dflash-draft DIR] [--dspark-draft DIR] [--eagle3-draft DIR]
+
+Drafts: the embedded ones unless a directory is given (e.g. an older draft to compare).
 
 Each (workload, concurrency) cell runs max(8, waves*c) requests per arm through an
 engine with max_running = c, so requests join as others finish, as in serving;
@@ -28,14 +31,15 @@ from pathlib import Path
 
 import torch
 
-from blockspec import Engine, PolicyOptions, SamplingParams, Tokenizer, embedded, load_draft, load_target
+from blockspec import Engine, PolicyOptions, SamplingParams, Tokenizer, embedded, load_target
 from blockspec.bench.datasets import humaneval  # the bench's prompts: no bare trailing newline token
+from blockspec.loading import load_drafts
 
 # name -> (method, adaptive policy)
-ARMS = {"ar": ("ar", False), "dflash": ("dflash", True), "dspark": ("dspark", True),
-        "dflash-fixed": ("dflash", False), "dspark-fixed": ("dspark", False)}
-HEADERS = {"ar": "AR", "dflash": "DFlash", "dspark": "DSpark", "dflash-fixed": "DFlash fixed",
-           "dspark-fixed": "DSpark fixed"}
+ARMS = {"ar": ("ar", False), "dflash": ("dflash", True), "dspark": ("dspark", True), "eagle3": ("eagle3", True),
+        "dflash-fixed": ("dflash", False), "dspark-fixed": ("dspark", False), "eagle3-fixed": ("eagle3", False)}
+HEADERS = {"ar": "AR", "dflash": "DFlash", "dspark": "DSpark", "eagle3": "EAGLE-3", "dflash-fixed": "DFlash fixed",
+           "dspark-fixed": "DSpark fixed", "eagle3-fixed": "EAGLE-3 fixed"}
 WORKLOADS = ("greedy", "t1", "mixed")
 
 
@@ -76,6 +80,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="interleaved runs per cell (median)")
     ap.add_argument("--waves", type=int, default=4, help="requests per cell = max(8, waves x concurrency)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    for kind in ("dflash", "dspark", "eagle3"):
+        ap.add_argument(f"--{kind}-draft", default=None, help=f"{kind} draft directory (default: the embedded one)")
     args = ap.parse_args()
     names = args.methods.split(",")
     workloads = [w for w in args.workloads.split(",") if w]
@@ -87,7 +93,8 @@ def main() -> None:
     torch.manual_seed(0)
     tdir = embedded.default_target()
     target, tok = load_target(tdir), Tokenizer(tdir)
-    drafts = {k: load_draft(embedded.default_draft(k), target=target) for k in ("dflash", "dspark")}
+    kinds = {ARMS[n][0] for n in names} - {"ar"}
+    drafts = load_drafts(target, {k: getattr(args, f"{k}_draft") for k in kinds}, kinds)
     pool = [tok.encode(p.text) for p in humaneval()]
     rows = []
     for workload, conc in cells_to_run:
@@ -111,8 +118,8 @@ def main() -> None:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"HumanEval prompts, {args.new_tokens} new tokens (ignore EOS), float32, {torch.get_num_threads()} "
           "threads; tok/s, median of the repeats (tau incl. bonus; share of request-rounds that drafted); "
-          "DFlash / DSpark = the default adaptive policy (draft gate per temperature band, DSpark scheduled), "
-          "fixed = every round drafts and verifies the full window")
+          "DFlash / DSpark / EAGLE-3 = the default adaptive policy (draft gate per temperature band, DSpark "
+          "scheduled), fixed = every round drafts and verifies the full window")
     print(f"median of {args.repeats} interleaved run(s) per cell; max(8, {args.waves} x concurrency) requests per "
           "cell; one engine per arm for the cell's repeats (the first repeat includes the policy's learning)")
     spec = [n for n in names if n != "ar"]

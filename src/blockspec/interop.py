@@ -21,7 +21,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
-from blockspec.config import DraftConfig, TargetConfig, read_json
+from blockspec.config import DEFAULT_CHAIN_DRAFTS, EAGLE3_ARCHITECTURES, DraftConfig, Eagle3Config, TargetConfig, read_json
 from blockspec.errors import BlockspecError
 
 TABLE_PATH = Path(__file__).with_name("interop_engines.json")
@@ -241,6 +241,8 @@ def launch_line(draft: str | Path, engine: str, target: str | Path | None = None
     if not draft_dir.is_dir():
         raise BlockspecError(f"draft: {draft_dir} is not a directory")
     raw = read_json(draft_dir / "config.json", "draft config")
+    if any(a in EAGLE3_ARCHITECTURES for a in raw.get("architectures") or []):
+        return _eagle3_launch_line(draft_dir, raw, engine, target, scheduled, host)
     cfg = DraftConfig.from_dict(raw, where=str(draft_dir / "config.json"))
     if scheduled and not cfg.enable_confidence_head:
         raise BlockspecError("--scheduled needs a draft with a confidence head (enable_confidence_head)")
@@ -293,3 +295,38 @@ def launch_line(draft: str | Path, engine: str, target: str | Path | None = None
     if cfg.is_windowed and len(set(cfg.layer_types)) > 1:   # mixed sliding / full draft layers
         env.update(fmt.get("mixed_layer_types_env", {}))
     return LaunchLine(argv, env, notes, problems)
+
+
+def _eagle3_launch_line(draft_dir: Path, raw: dict[str, Any], engine: str, target: str | Path | None,
+                        scheduled: bool, host: str) -> LaunchLine:
+    """launch_line for an EAGLE-3 draft: chains of DEFAULT_CHAIN_DRAFTS drafts (the
+    training-time test's depth), top-1 (no tree) in SGLang, as blockspec runs them."""
+    cfg = Eagle3Config.from_dict(raw, where=str(draft_dir / "config.json"))
+    if scheduled:
+        raise BlockspecError("--scheduled needs a draft with a confidence head; EAGLE-3 drafts have none")
+    notes: list[str] = []
+    if target is not None:
+        cfg.check_target(TargetConfig.load(Path(target)))
+    elif engine != "blockspec":
+        notes.append(f"replace {TARGET_PLACEHOLDER} with the target model this draft was trained for "
+                     "(pass --target DIR to check the pair)")
+    target_arg = str(target) if target is not None else TARGET_PLACEHOLDER
+    k = DEFAULT_CHAIN_DRAFTS
+    if engine == "blockspec":
+        argv = ["blockspec", "serve", *(["--target", str(target)] if target is not None else []),
+                "--draft", str(draft_dir), "--method", "eagle3"]
+        if target is None:
+            notes.append("without --target, blockspec serve pairs the draft with the embedded target")
+    elif engine == "vllm":
+        spec = json.dumps({"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k})
+        if host == "cpu":
+            argv = [*engine_table()["command_lines"]["vllm_cpu"]["program"], "--model", target_arg,
+                    "--speculative-config", spec]
+            notes.append("the CPU form; EAGLE-3 in vLLM's CPU build is not run-tested here")
+        else:
+            argv = ["vllm", "serve", target_arg, "--speculative-config", spec]
+    else:
+        argv = ["python", "-m", "sglang.launch_server", "--model-path", target_arg, "--speculative-algorithm",
+                "EAGLE3", "--speculative-draft-model-path", str(draft_dir), "--speculative-num-steps", str(k),
+                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
+    return LaunchLine(argv, {}, notes, [])

@@ -15,8 +15,9 @@ import pytest
 
 from blockspec.cli import main
 from blockspec.interop import engine_table, launch_line
-from blockspec.models.checkpoint import save_draft
-from conftest import make_draft, write_tiny_target_dir
+from blockspec.errors import BlockspecError
+from blockspec.models.checkpoint import save_draft, save_eagle3
+from conftest import make_draft, make_eagle3, write_tiny_target_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 from serving_harness import KEY, serve_args, start  # noqa: E402
@@ -34,6 +35,7 @@ def models(tmp_path_factory):
     }
     for name, draft in drafts.items():
         save_draft(draft, root / name)
+    save_eagle3(make_eagle3(target), root / "eagle3")
     return root
 
 
@@ -235,3 +237,49 @@ def test_mixed_sliding_and_full_draft_layers_ask_vllm_for_its_v2_runner(tmp_path
     assert launch_line(tmp_path / "sliding", "vllm", target=tmp_path / "target").env == {}
     sglang = launch_line(tmp_path / "mixed", "sglang", target=tmp_path / "target")
     assert sglang.env == {} and sglang.problems == []
+
+
+@pytest.mark.parametrize("engine, host, table", [("vllm", "cuda", "vllm"), ("vllm", "cpu", "vllm_cpu"),
+                                                 ("sglang", "cuda", "sglang"), ("blockspec", "cuda", None)])
+def test_eagle3_lines_chain_seven_drafts_and_start_blockspec_serve(models, capsys, engine, host, table):
+    """An EAGLE-3 draft's line: vLLM's method eagle3 with 7 speculative tokens, SGLang's EAGLE3
+    chain (7 steps, top-1, 8 verified tokens); each, pasted after `blockspec serve`, serves the
+    pair with chains of 7 drafts."""
+    code, out, err = run_cli(capsys, "launch-line", str(models / "eagle3"), "--engine", engine,
+                             "--target", str(models / "target"), "--host", host)
+    assert code == 0, err
+    words = shlex.split(out)
+    if table == "sglang":
+        _, args = parse_printed("sglang", out)
+        assert (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
+                args.speculative_num_draft_tokens) == ("EAGLE3", 7, 1, 8)
+        assert args.speculative_draft_model_path == str(models / "eagle3")
+    elif table is not None:
+        _, args = parse_printed(table, out)
+        check_speculative_config(args.speculative_config)
+        assert args.speculative_config == {"method": "eagle3", "model": str(models / "eagle3"),
+                                           "num_speculative_tokens": 7}
+    program = engine_table()["command_lines"][table]["program"] if table else ["blockspec", "serve"]
+    assert words[:len(program)] == program
+    args = serve_args(*words[len(program):], "--served-model-name", "tiny")
+    engine_, tokenizer, _ = build_engine(args)
+    assert engine_.method == "eagle3" and engine_.draft.config.num_drafts == 7
+    assert completion_text(engine_, tokenizer) != ""
+
+
+def test_eagle3_line_refusals(models, tmp_path, capsys):
+    """No confidence head to schedule with; another target is refused; SGLang's tree spelling
+    (top-k > 1) is refused by blockspec serve in one line."""
+    code, _, err = run_cli(capsys, "launch-line", str(models / "eagle3"), "--engine", "vllm", "--scheduled")
+    assert code == 2 and "EAGLE-3 drafts have none" in err
+    write_tiny_target_dir(tmp_path / "other", vocab=80)
+    code, _, err = run_cli(capsys, "launch-line", str(models / "eagle3"), "--engine", "sglang",
+                           "--target", str(tmp_path / "other"))
+    assert code == 2 and "vocab_size" in err
+    with pytest.raises(BlockspecError, match="tree drafting is not supported"):
+        build_engine(serve_args("--target", str(models / "target"), "--speculative-algorithm", "EAGLE3",
+                                "--speculative-draft-model-path", str(models / "eagle3"),
+                                "--speculative-eagle-topk", "4"))
+    with pytest.raises(BlockspecError, match="--speculative-num-steps applies to method eagle3"):
+        build_engine(serve_args("--target", str(models / "target"), "--draft", str(models / "dflash"),
+                                "--speculative-num-steps", "3"))

@@ -123,8 +123,13 @@ def resolve_speculation(args: argparse.Namespace) -> Speculation:
                     speculative_config_method=cfg.get("method"))
     if method is None:  # a draft without a method runs the method its head supports
         method = "ar" if draft is None else draft_method(Path(draft))
+    if args.speculative_eagle_topk not in (None, 1):
+        raise BlockspecError(f"--speculative-eagle-topk {args.speculative_eagle_topk}: blockspec drafts EAGLE-3 "
+                             "chains (top-1); tree drafting is not supported")
     for flag, value, needs in (("--speculative-dflash-block-size", args.speculative_dflash_block_size, "dflash"),
-                               ("--speculative-dspark-block-size", args.speculative_dspark_block_size, "dspark")):
+                               ("--speculative-dspark-block-size", args.speculative_dspark_block_size, "dspark"),
+                               ("--speculative-num-steps", args.speculative_num_steps, "eagle3"),
+                               ("--speculative-eagle-topk", args.speculative_eagle_topk, "eagle3")):
         if value is not None and method != needs:
             raise BlockspecError(f"{flag} applies to method {needs}, not {method}")
     block = one_of("block sizes", block_size=args.block_size,
@@ -135,7 +140,8 @@ def resolve_speculation(args: argparse.Namespace) -> Speculation:
         raise BlockspecError(f"--speculative-num-draft-tokens counts the anchor and the drafts: at least 2, "
                              f"got {draft_tokens}")
     num_drafts = one_of("draft counts", num_speculative_tokens=cfg.get("num_speculative_tokens"),
-                        speculative_num_draft_tokens_minus_1=None if draft_tokens is None else draft_tokens - 1)
+                        speculative_num_draft_tokens_minus_1=None if draft_tokens is None else draft_tokens - 1,
+                        speculative_num_steps=args.speculative_num_steps)
     if block is not None and num_drafts is not None:
         raise BlockspecError("give a block size or num_speculative_tokens / --speculative-num-draft-tokens, not both")
     if method == "ar" and (draft is not None or block is not None or num_drafts is not None):
@@ -300,6 +306,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-algorithm", type=str.upper, choices=["DFLASH", "DSPARK", "EAGLE3"], default=None,
                    help="= --method")
     g.add_argument("--speculative-draft-model-path", default=None, help="= --draft")
+    g.add_argument("--speculative-num-steps", type=int, default=None,
+                   help="SGLang EAGLE: chained drafts per round (method eagle3)")
+    g.add_argument("--speculative-eagle-topk", type=int, default=None,
+                   help="SGLang EAGLE: branching per step; blockspec drafts chains, so only 1")
     g.add_argument("--speculative-dflash-block-size", type=int, default=None,
                    help="z-lab block size (includes the anchor)")
     g.add_argument("--speculative-dspark-block-size", type=int, default=None, help="DeepSpec block size (drafts)")
