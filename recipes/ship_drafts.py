@@ -1,12 +1,17 @@
 """Copy trained drafts into the package and write each RECIPE.md from the runs' own
 records (train_config.json, log.jsonl): no hand-typed figures.
 
+DFlash / DSpark drafts are shipped in their z-lab / DeepSpec layouts, the EAGLE-3 draft in the
+`LlamaForCausalLMEagle3` layout vLLM and SGLang read (bf16 safetensors with d2t / t2d, as
+`blockspec train --method eagle3` saves it).
+
 A draft trained in stages (`--init-from` an earlier run's draft) is traced back
 through the run directories beside it; every stage gets a row and its own
 held-out tau curve.
 
     python recipes/ship_drafts.py --dflash runs/gpu1/dflash4c --dspark runs/gpu1/dspark4c \
         --data runs/gpu1/regen_train.jsonl.gz
+    python recipes/ship_drafts.py --eagle3 runs/eagle3
 """
 
 from __future__ import annotations
@@ -19,11 +24,22 @@ from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "src" / "blockspec" / "assets"
 
-CPU_COMMANDS = """```bash
+CPU_COMMANDS = {
+    "dflash": """```bash
 bash recipes/train_drafts.sh     # regenerate data with the target, then train both drafts (CPU)
 python recipes/ship_drafts.py --dflash runs/dflash3 --dspark runs/dspark3
-```"""
-GPU_COMMANDS = """```bash
+```""",
+    "eagle3": """```bash
+bash recipes/train_drafts.sh eagle3   # regenerate data with the target (once), then train the draft (CPU)
+python recipes/ship_drafts.py --eagle3 runs/eagle3
+```
+`--time-budget-s` fits the step count to the wall-time budget after timing the first 20 steps,
+so a rerun on other hardware (or beside other work) takes a different number of steps.""",
+}
+CPU_COMMANDS["dspark"] = CPU_COMMANDS["dflash"]
+LAYOUTS = {"dflash": "z-lab DFlash (`DFlashDraftModel`)", "dspark": "DeepSpec DSpark (`Qwen3DSparkModel`)",
+           "eagle3": "EAGLE-3 (`LlamaForCausalLMEagle3`, as vLLM and SGLang read it)"}
+GPU_COMMANDS = {"dflash": """```bash
 bash recipes/train_drafts_gpu.sh prepare            # CPU machine: corpus, first 4000 examples, HumanEval prompts
 bash recipes/train_drafts_gpu.sh regen train bench  # GPU machine (carry .gpu/), one call
 bash recipes/train_drafts_gpu.sh more1              # then, in the same machine's runs/gpu
@@ -33,7 +49,13 @@ python recipes/ship_drafts.py --dflash RUNS/dflash4c --dspark RUNS/dspark4c --da
 The first 4000 examples of the data are `recipes/train_drafts.sh`'s (CPU, same prompts and
 seed), carried to the GPU machine by `prepare`; `--time-budget-s` fits each stage's step count to its wall-time budget after timing
 its first 20 steps, so a rerun on other hardware takes a different number of steps: pass
-`--max-steps` with the counts in the table above to repeat them exactly."""
+`--max-steps` with the counts in the table above to repeat them exactly.""",
+                "eagle3": """```bash
+bash recipes/train_drafts_gpu.sh prepare      # CPU machine: the first 4000 examples, HumanEval prompts -> .gpu/
+bash recipes/train_eagle3_gpu.sh              # GPU machine (carry .gpu/): three stages, then the bench
+python recipes/ship_drafts.py --eagle3 RUNS/eagle3c --data RUNS/regen/train.jsonl
+```"""}
+GPU_COMMANDS["dspark"] = GPU_COMMANDS["dflash"]
 
 
 def stages(run: Path) -> list[Path]:
@@ -70,11 +92,31 @@ def stage_row(run: Path) -> str:
             f"{cfg['lr']} | {cfg['seed']} | {log[-1]['loss']} | {evals[-1] if evals else 'n/a'} |")
 
 
-def recipe_text(name: str, chain: list[Path], dest: Path, n_examples: int) -> str:
+def shape_line(name: str, draft_cfg: dict, train_cfg: dict) -> str:
+    """The draft's shape in one line, in its own format's terms."""
+    if name == "eagle3":
+        aux = draft_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        return (f"{draft_cfg['num_hidden_layers']} layer(s), auxiliary target layers {aux}, draft vocabulary "
+                f"{draft_cfg['draft_vocab_size']} of {draft_cfg['vocab_size']}, trained with a "
+                f"{train_cfg['ttt_steps']}-step training-time test (chains of {train_cfg['ttt_steps']} drafts in "
+                "the tau below)")
+    return (f"block_size {draft_cfg['block_size']}, {draft_cfg['num_hidden_layers']} layer(s), target_layer_ids "
+            f"{draft_cfg.get('dflash_config', draft_cfg).get('target_layer_ids')}")
+
+
+def init_note(name: str, train_cfg: dict) -> str:
+    if name == "eagle3":
+        return ("Initialisation: random (an EAGLE-3 layer reads [embedding ; fc(features)], 2H wide: no target "
+                "layer has its shape); the embedding is the target's, read at run time, not shipped. Draft "
+                "vocabulary: the most frequent trained tokens of the data (d2t / t2d in the weights).")
+    return ("Warm start (`init_from_target`): draft layer i starts as a copy of target layer\n"
+            "L-n+i (the last n layers), `fc` passes the deepest captured feature through.")
+
+
+def recipe_text(name: str, chain: list[Path], dest: Path, n_examples: int, history: str = "") -> str:
     draft_cfg = json.loads((dest / "config.json").read_text())
     size_mb = sum(f.stat().st_size for f in dest.glob("*.safetensors")) / 1e6
     first = json.loads((chain[0] / "train_config.json").read_text())
-    layout = "z-lab DFlash (`DFlashDraftModel`)" if name == "dflash" else "DeepSpec DSpark (`Qwen3DSparkModel`)"
     curves, configs = [], []
     for run in chain:
         cfg = json.loads((run / "train_config.json").read_text())
@@ -87,9 +129,8 @@ def recipe_text(name: str, chain: list[Path], dest: Path, n_examples: int) -> st
     config_text = "\n\n".join(configs)
     return f"""# Embedded {name} draft: recipe
 
-{layout} layout, trained by `blockspec train` for the embedded target
-(`../target`). block_size {draft_cfg['block_size']}, {draft_cfg['num_hidden_layers']} layer(s),
-target_layer_ids {draft_cfg.get('dflash_config', draft_cfg).get('target_layer_ids')}, {size_mb:.1f} MB of bf16 weights.
+{LAYOUTS[name]} layout, trained by `blockspec train` for the embedded target
+(`../target`). {shape_line(name, draft_cfg, first)}, {size_mb:.1f} MB of bf16 weights.
 
 ## Training record (from the runs' logs)
 
@@ -106,26 +147,25 @@ token), step: tau per stage:
 
 ## Commands
 
-{GPU_COMMANDS if gpu else CPU_COMMANDS}
+{(GPU_COMMANDS if gpu else CPU_COMMANDS)[name]}
 
 Data: `blockspec regenerate --prompts runs/corpus --seed 0 --max-new-tokens 160 ...`: random
 code prefixes from the corpus' training split, continued greedily by the target; the
 first {first['eval_examples']} examples are held out for the tau above.
-Warm start (`init_from_target`): draft layer i starts as a copy of target layer
-L-n+i (the last n layers), `fc` passes the deepest captured feature through.
-
+{init_note(name, first)}
+{f"{chr(10)}History: {history}{chr(10)}" if history else ""}
 ## Exact training configs
 
 {config_text}
 """
 
 
-def ship(run: Path, name: str, data: Path) -> None:
+def ship(run: Path, name: str, data: Path, history: str = "") -> None:
     chain = stages(run)
     dest = ASSETS / name
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(run / "draft", dest)
-    (dest / "RECIPE.md").write_text(recipe_text(name, chain, dest, count_lines(data)))
+    (dest / "RECIPE.md").write_text(recipe_text(name, chain, dest, count_lines(data), history))
     print(f"shipped {name} from {run} ({len(chain)} stage(s))")
 
 
@@ -133,8 +173,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dflash", type=Path, help="run directory of the DFlash draft to ship")
     ap.add_argument("--dspark", type=Path, help="run directory of the DSpark draft to ship")
+    ap.add_argument("--eagle3", type=Path, help="run directory of the EAGLE-3 draft to ship")
     ap.add_argument("--data", type=Path, default=Path("runs/regen2/train.jsonl"),
                     help="the training data (jsonl or jsonl.gz), for its example count")
+    ap.add_argument("--history", default="",
+                    help="a paragraph on how and where the run was made (machine, what it compares with)")
     ap.add_argument("--summary", type=Path, nargs="+", metavar="RUN",
                     help="only print the stage table of these runs (and the machine of their env.txt)")
     args = ap.parse_args()
@@ -146,11 +189,11 @@ def main() -> None:
         for run in args.summary:
             print(f"\n{run}:\n\n{STAGE_HEADER}\n" + "\n".join(stage_row(r) for r in stages(run)))
         return
-    if not (args.dflash or args.dspark):
-        ap.error("name at least one of --dflash / --dspark")
-    for name, run in (("dflash", args.dflash), ("dspark", args.dspark)):
+    if not (args.dflash or args.dspark or args.eagle3):
+        ap.error("name at least one of --dflash / --dspark / --eagle3")
+    for name, run in (("dflash", args.dflash), ("dspark", args.dspark), ("eagle3", args.eagle3)):
         if run is not None:
-            ship(run, name, args.data)
+            ship(run, name, args.data, args.history)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,42 @@
 #!/usr/bin/env bash
-# Reproduces the embedded drafts: target-regenerated data -> DFlash (z-lab, block 16)
-# and DSpark (DeepSpec, gamma 15: the same 16-token verify window) drafts, 2 layers,
-# trained side by side with one thread each, both warm-started from the target's last
-# two layers (--init-from-target; the deepest captured feature, layer 5, is what the
-# copied layer 6 reads in the target). Resumable: rerun after an interruption.
+# Reproduces the CPU-trained drafts of the embedded target on target-regenerated data:
+#   dflash  DFlash (z-lab, block 16), 2 layers   -> runs/dflash3  (shipped at c0689ef)
+#   dspark  DSpark (DeepSpec, gamma 15: the same 16-token verify window), 2 layers -> runs/dspark3
+#           (both warm-started from the target's last two layers (--init-from-target; the
+#           deepest captured feature, layer 5, is what the copied layer 6 reads in the target))
+#   eagle3  EAGLE-3, 1 layer, 7-step training-time test, draft vocabulary 2048 (as
+#           recipes/train_eagle3_gpu.sh), random init, EAGLE3_S seconds -> runs/eagle3 (shipped)
+# Usage: bash recipes/train_drafts.sh [dflash] [dspark] [eagle3]   (default: dflash dspark)
+# The named drafts train side by side with one thread each, on the same data and
+# evaluation. Resumable: rerun after an interruption.
+# runs/corpus is the stdlib corpus the target was pretrained on (sha256 08fdebec..., in
+# ../src/blockspec/assets/target/RECIPE.md): `blockspec corpus` as of that commit (tests
+# included; today's `blockspec corpus --no-packages` also drops tests and duplicates, so its
+# prefixes differ).
 set -euo pipefail
 TARGET=src/blockspec/assets/target
 DFLASH_STEPS=${DFLASH_STEPS:-1900}
 DSPARK_STEPS=${DSPARK_STEPS:-1500}
+EAGLE3_S=${EAGLE3_S:-2100}
 DATA=${DATA:-runs/regen2/train.jsonl}
 [ -f "$DATA" ] && [ "$(wc -l < "$DATA")" -ge "${PROMPTS:-4000}" ] || \
 blockspec regenerate --prompts runs/corpus --target $TARGET --out "$DATA" \
   --num-prompts ${PROMPTS:-4000} --max-new-tokens 160 --batch-size 32 --seed 0
-COMMON="--target $TARGET --data $DATA --num-layers 2 --target-layer-ids 1,3,5 --init-from-target \
-  --num-anchors 48 --batch-size 4 --lr 1e-3 --eval-every 250 --eval-examples 16 \
-  --eval-new-tokens 64 --seed 0 --threads 1 --resume"   # --resume: a re-run continues a killed one
-OMP_NUM_THREADS=1 blockspec train --method dflash --block-size 16 --max-steps $DFLASH_STEPS --out runs/dflash3 $COMMON > runs/dflash3.log 2>&1 &
-OMP_NUM_THREADS=1 blockspec train --method dspark --block-size 15 --max-steps $DSPARK_STEPS --markov-rank 64 --markov-head-type vanilla \
-  --out runs/dspark3 $COMMON > runs/dspark3.log 2>&1 &
+COMMON="--target $TARGET --data $DATA --target-layer-ids 1,3,5 --batch-size 4 --lr 1e-3 \
+  --eval-examples 16 --eval-new-tokens 64 --seed 0 --threads 1 --resume"   # --resume: a re-run continues a killed one
+BLOCK="--num-layers 2 --init-from-target --num-anchors 48 --eval-every 250"
+train() {   # run name, then its own flags
+  local run=$1; shift
+  OMP_NUM_THREADS=1 blockspec train "$@" --out "runs/$run" $COMMON > "runs/$run.log" 2>&1 &
+}
+for method in ${*:-dflash dspark}; do
+  case $method in
+    dflash) train dflash3 --method dflash --block-size 16 --max-steps $DFLASH_STEPS $BLOCK ;;
+    dspark) train dspark3 --method dspark --block-size 15 --max-steps $DSPARK_STEPS --markov-rank 64 \
+              --markov-head-type vanilla $BLOCK ;;
+    eagle3) train eagle3 --method eagle3 --num-layers 1 --ttt-steps 7 --draft-vocab-size 2048 --device cpu \
+              --time-budget-s $EAGLE3_S --max-steps 100000 --eval-every 75 ;;
+    *) echo "unknown draft $method (dflash, dspark, eagle3)" >&2; exit 2 ;;
+  esac
+done
 wait
