@@ -17,7 +17,7 @@ set -euo pipefail
 TARGET=src/blockspec/assets/target
 DFLASH_STEPS=${DFLASH_STEPS:-1900}
 DSPARK_STEPS=${DSPARK_STEPS:-1500}
-EAGLE3_S=${EAGLE3_S:-2100}
+EAGLE3_S=${EAGLE3_S:-2640}
 DATA=${DATA:-runs/regen2/train.jsonl}
 [ -f "$DATA" ] && [ "$(wc -l < "$DATA")" -ge "${PROMPTS:-4000}" ] || \
 blockspec regenerate --prompts runs/corpus --target $TARGET --out "$DATA" \

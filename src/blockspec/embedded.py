@@ -8,7 +8,7 @@ from blockspec.errors import BlockspecError
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_TARGET = ASSETS / "target"
-DEFAULT_DRAFTS = {"dflash": ASSETS / "dflash", "dspark": ASSETS / "dspark"}
+DEFAULT_DRAFTS = {"dflash": ASSETS / "dflash", "dspark": ASSETS / "dspark", "eagle3": ASSETS / "eagle3"}
 
 
 def default_target() -> Path:

@@ -103,7 +103,7 @@ def load_drafts(target_model: TargetModel, drafts: Mapping[str, str | Path | Non
     against the target.
 
     `drafts` maps a kind to its directory; a missing or None entry loads the embedded
-    draft of that kind (none is shipped for eagle3). dtype / device None: the target's.
+    draft of that kind. dtype / device None: the target's.
     An EAGLE-3 draft (LlamaForCausalLMEagle3, as vLLM and SGLang read it) comes paired with
     the target, drafting chains of `config.DEFAULT_CHAIN_DRAFTS`.
     """

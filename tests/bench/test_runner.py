@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec import Engine, GenerateOptions, PolicyOptions
+from blockspec import Engine, GenerateOptions, PolicyOptions, embedded
 from blockspec.bench.arms import ForcedAcceptance, accept_pattern, draft_kind
 from blockspec.bench.cli import add_bench_parser
 from blockspec.bench.datasets import BenchPrompt
@@ -352,8 +352,8 @@ def test_bench_uses_only_the_drafts_it_is_given(tmp_path):
     assert _draft_dirs(parser.parse_args(["bench", "--target", "T"])) == {"dflash": None, "dspark": None,
                                                                           "eagle3": None}
     assert _draft_dirs(parser.parse_args(["bench", "--eagle3-draft", "E"]))["eagle3"] == Path("E")
-    embedded_only = _draft_dirs(parser.parse_args(["bench"]))
-    assert all(v is None or v.is_dir() for v in embedded_only.values())
+    embedded_only = _draft_dirs(parser.parse_args(["bench"]))   # every shipped draft, EAGLE-3's included
+    assert embedded_only == {k: embedded.ASSETS / k for k in ("dflash", "dspark", "eagle3")}
 
 
 def test_interrupted_bench_keeps_the_finished_groups(models, tmp_path, monkeypatch):

@@ -4,14 +4,23 @@ actually get drafts accepted."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from blockspec import SamplingParams, Tokenizer, embedded, generate, load_draft, load_target
 from blockspec import PolicyOptions
+from blockspec.config import Eagle3Config
+from blockspec.interop import launch_line
+from blockspec.loading import load_drafts
+from blockspec.models.checkpoint import load_eagle3, save_eagle3
+from blockspec.serving.server import add_serve_arguments, build_engine
 
 PROMPTS = ["def fib(n):", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"]
 
@@ -21,10 +30,10 @@ def target64():
     return load_target(embedded.default_target(), dtype="float64")
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "eagle3"])
 def test_embedded_draft_is_lossless_and_useful(target64, method):
-    draft = load_draft(embedded.default_draft(method), dtype="float64", target=target64)
-    expected_layout = "zlab" if method == "dflash" else "deepspec"
+    draft = load_drafts(target64, {}, [method])[method]   # the embedded draft of each kind, float64 as the target
+    expected_layout = {"dflash": "zlab", "dspark": "deepspec", "eagle3": "eagle3"}[method]
     assert draft.config.layout == expected_layout
     tok = Tokenizer(embedded.default_target())
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -35,7 +44,7 @@ def test_embedded_draft_is_lossless_and_useful(target64, method):
     assert sum(sum(c.stats.accepted) for c in spec.completions) > 0  # drafts really get accepted
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "eagle3"])
 def test_cli_generate_uses_embedded_draft_by_default(tmp_path, method):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "blockspec.cli", "generate", "def fib(n):", "--method", method,
@@ -69,3 +78,35 @@ def test_cli_profile_with_the_embedded_draft(tmp_path):
     engine = Engine(target, draft, "dspark", max_running=2, max_model_len=64,
                     policy=PolicyOptions(scheduled=True, cost_table=table))
     assert engine.metrics()["draft_gate"]
+
+
+def test_serve_and_launch_line_default_to_the_embedded_eagle3_draft():
+    """`serve --method eagle3` (and SGLang's spelling) pairs the embedded target with the embedded
+    EAGLE-3 draft, chains of 7; its launch line names that directory."""
+    args = argparse.ArgumentParser()
+    add_serve_arguments(args)
+    for flags in (["--method", "eagle3"], ["--speculative-algorithm", "EAGLE3"]):
+        engine, _, _ = build_engine(args.parse_args(flags))
+        assert engine.method == "eagle3" and engine.draft.config.num_drafts == 7
+    line = launch_line(embedded.default_draft("eagle3"), "blockspec")
+    assert line.argv[-2:] == ["--method", "eagle3"] and str(embedded.ASSETS / "eagle3") in line.argv
+
+
+def test_embedded_eagle3_draft_round_trips_identically(tmp_path):
+    """The shipped EAGLE-3 draft, loaded and saved again in bf16, is the same files' content:
+    the same config and bit-identical tensors (d2t / t2d included), in the layout vLLM / SGLang
+    read (LlamaForCausalLMEagle3 with both auxiliary-layer spellings)."""
+    shipped = embedded.default_draft("eagle3")
+    target = load_target(embedded.default_target())
+    save_eagle3(load_eagle3(shipped, target=target), tmp_path / "again", dtype="bfloat16")
+    assert Eagle3Config.load(tmp_path / "again") == Eagle3Config.load(shipped)
+    raw = json.loads((shipped / "config.json").read_text())
+    assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["torch_dtype"] == "bfloat16"
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]   # vLLM's spelling: the captured layers' inputs
+    with safe_open(shipped / "model.safetensors", "pt") as a, \
+            safe_open(tmp_path / "again" / "model.safetensors", "pt") as b:
+        assert set(a.keys()) == set(b.keys()) and {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= set(a.keys())
+        for key in a.keys():
+            x, y = a.get_tensor(key), b.get_tensor(key)
+            assert x.dtype == y.dtype and torch.equal(x, y), key

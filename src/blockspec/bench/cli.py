@@ -38,8 +38,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dspark-draft", default=None,
                    help="DSpark draft directory (default: the embedded one, with the embedded target and no draft given)")
     p.add_argument("--eagle3-draft", default=None,
-                   help="EAGLE-3 draft directory (LlamaForCausalLMEagle3 layout, as vLLM / SGLang read it; none is "
-                        "embedded)")
+                   help="EAGLE-3 draft directory (LlamaForCausalLMEagle3 layout, as vLLM / SGLang read it; default: "
+                        "the embedded one, with the embedded target and no draft given)")
     p.add_argument("--datasets", type=_csv(str), default=["humaneval", "heldout"],
                    help="comma-separated: humaneval, heldout, heldout:CORPUS_DIR, PATH.jsonl")
     p.add_argument("--methods", type=_csv(str), default=None,
