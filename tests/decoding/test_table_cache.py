@@ -12,7 +12,7 @@ from blockspec.decoding import cost_table, table_cache
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.policy import RoundPolicy
 from blockspec.decoding.round import RoundOutcome
-from blockspec.decoding.table_cache import DRIFT_ROUNDS, CostDrift, cached_cost_table, profile_points, table_key
+from blockspec.decoding.table_cache import DRIFT_ROUNDS, PROFILER_VERSION, CostDrift, cached_cost_table, profile_points, table_key
 from blockspec.errors import BlockspecError
 from conftest import make_draft, make_target
 
@@ -45,6 +45,7 @@ def test_measured_once_then_read_from_the_cache(fresh, monkeypatch):
     files = list((fresh / "cost_tables").glob("*.json"))
     assert len(files) == 1 and table.has_draft_times and table.draft_slot_counts[-1] == draft.config.num_drafts
     assert table.meta["key"] == table_key(target, draft, 4)
+    assert table.meta["key"]["profiler"] == PROFILER_VERSION   # tables of an older profiler are measured again
     assert cached_cost_table(target, draft, rows=4) is table   # this process: no file read
     monkeypatch.setattr(table_cache, "_MEMO", {})               # a new process reads the file
     again = cached_cost_table(target, draft, rows=4)

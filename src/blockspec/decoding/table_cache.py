@@ -68,9 +68,15 @@ def draft_signature(draft: AnyDraft) -> str:
                if c.is_windowed else ""))
 
 
+# How tables are measured (`cost_table.profile_cost_table`); a table measured otherwise is measured
+# again. 2: interleaved repeats and a monotone fit (1's running maximum kept a busy spell's
+# outliers in the cached file for good).
+PROFILER_VERSION = 2
+
+
 def table_key(target: TargetModel, draft: AnyDraft, rows: int) -> dict[str, str | int]:
-    """Everything a cost table's timings depend on."""
-    return {"machine": machine_signature(target.device), "device": str(target.device),
+    """Everything a cost table's timings depend on, and how they were measured."""
+    return {"profiler": PROFILER_VERSION, "machine": machine_signature(target.device), "device": str(target.device),
             "threads": torch.get_num_threads(), "target": model_signature(target),
             "target_dtype": dtype_name(target.dtype), "draft": draft_signature(draft), "rows": rows}
 
