@@ -449,7 +449,8 @@ def test_gate_drafts_shorter_blocks_and_output_still_equals_ar(monkeypatch, targ
     engine.run_until_done()
     for h, (_, _, ref) in zip(handles, requests):
         assert h.result().tokens == ref.tokens
-    assert 1 in blocks and window in blocks and set(blocks) <= {1, 2, window}
+    # one slot chosen, the full window explored first, later explorations as far as the curve reaches
+    assert 1 in blocks and window in blocks and set(blocks) <= set(engine.policy.gate.block_choices)
     assert engine.metrics()["draft_block_histogram"] == dict(sorted(Counter(blocks).items()))
 
 

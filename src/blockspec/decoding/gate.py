@@ -29,6 +29,17 @@ MAX_BACKOFF = 16
 # Each measured / predicted round-time ratio is the median of this many latest samples:
 # enough that a few slow rounds (another process, a page fault) do not tip a decision.
 RATIO_SAMPLES = 64
+# The best option is priced again after this many rounds (or at once when a curve or the
+# table changed): new round times move a median of 64 samples only slowly, and pricing
+# every option every round cost ~1% of a batch-1 AR round on a CPU.
+RECHOOSE_ROUNDS = 8
+# An exploration drafts the band's block up to its first slot whose survival is below this
+# (and at least EXPLORE_MIN_SLOTS): a slot that few rounds reach is rarely measured by
+# verifying it, while verifying it costs every exploration (sampling at batch 1 on a CPU:
+# full 16-slot explorations were most of what drafting lost there). The slot past it is
+# verified too, so an improving tail lengthens the next exploration.
+EXPLORE_FLOOR = 0.05
+EXPLORE_MIN_SLOTS = 2
 # A kind of round by rows (and block) is priced by its own ratio once this many of its rounds
 # were timed, before that by its kind's: a block length drafted once in a quiet (or a busy)
 # spell would otherwise look cheap (or dear) on one sample and be chosen (or never tried) for good.
@@ -60,19 +71,25 @@ def band_groups(bands: Sequence[int]) -> Groups:
 class GateTuning:
     """The draft gate's learning and exploration constants (`DraftGate`'s docstring):
     curve momentum per request-round group, exploration interval and rows, hysteresis,
-    and the weight of the optimistic prior in request-rounds."""
+    the weight of the prior in request-rounds and its per-slot decay (the prior's prefix
+    survival at slot j is prior_decay ** (j - 1): full survival at every slot made one
+    fruitless round look like survival 1/3 at all 15 slots, 6 expected tokens, and a
+    fresh policy drafted several rounds more where nothing was accepted)."""
 
     momentum: float = 0.95
     explore_every: int = 8
     explore_rows: int = 4
     hysteresis: float = 0.05
     prior_rounds: float = 0.5
+    prior_decay: float = 0.8
 
     def __post_init__(self) -> None:
         if self.explore_every < 1:
             raise BlockspecError("explore_every must be >= 1")
         if not 0.0 <= self.hysteresis < 1.0:
             raise BlockspecError(f"hysteresis must be in [0, 1), got {self.hysteresis!r}")
+        if not 0.0 < self.prior_decay <= 1.0:
+            raise BlockspecError(f"prior_decay must be in (0, 1], got {self.prior_decay!r}")
 
 
 class DraftGate:
@@ -90,12 +107,13 @@ class DraftGate:
     sampled ones, and a mixed batch must not average them. A band's curve is a
     decayed mean over request-rounds (each weighs momentum ** (1 / explore_rows)
     less per later request-round: about 80 request-rounds of memory) next to an
-    optimistic prior worth `prior_rounds` request-rounds of full survival.
-    Exploration: an unmeasured band drafts first (its first `explore_rows` rows, the
-    full block; the bands before it draft too, drafting rows being a prefix); a band
-    that does not draft, or drafts a shorter block, drafts the full block again
-    after `explore_every` rounds, each exploration doubling its interval up to
-    MAX_BACKOFF x, so a load where drafting never pays spends little on it.
+    prior worth `prior_rounds` request-rounds of prefix survival decaying by
+    `prior_decay` per slot. Exploration: an unmeasured band drafts first (its first
+    `explore_rows` rows, the full block; the bands before it draft too, drafting rows
+    being a prefix); a band that does not draft, or drafts a shorter block than it
+    explores, drafts its exploration block (`explore_block`: up to the first slot its
+    curve says few rounds reach) after `explore_every` rounds, each exploration doubling
+    its interval up to MAX_BACKOFF x, so a load where drafting never pays spends little on it.
     Hysteresis: the option chosen last keeps winning unless another is expected to
     be `hysteresis` faster, so equal loads do not flap between AR and drafting.
 
@@ -117,6 +135,7 @@ class DraftGate:
             raise BlockspecError("the draft window must be >= 1")
         tuning = tuning or GateTuning()
         self.full_window, self.hysteresis, self.prior_rounds = full_window, tuning.hysteresis, tuning.prior_rounds
+        self.prior = tuning.prior_decay ** torch.arange(window, dtype=torch.float64)   # [window] prefix survival
         self.warm_ar_rounds = warm_ar_rounds
         self.table, self.window, self.momentum = table, window, tuning.momentum
         self.explore_every, self.explore_rows = tuning.explore_every, tuning.explore_rows
@@ -124,6 +143,7 @@ class DraftGate:
         # Block lengths to price: the table's measured ones below the window, and the window.
         self.block_choices = [s for s in table.draft_slot_counts if s < window] + [window]
         self.curves: dict[int, torch.Tensor] = {}   # band -> [window] mean prefix survival
+        self._monotone: dict[int, list[float]] = {}   # band -> `curve(band)`, until the curve changes
         # Per band and slot: decayed sums of measured survival and of request-rounds.
         self._sums: dict[int, torch.Tensor] = {}
         self._weights: dict[int, torch.Tensor] = {}
@@ -131,9 +151,11 @@ class DraftGate:
         self.interval: dict[int, int] = {}          # band -> current exploration interval (backs off)
         self._options: dict[Groups, list[Option]] = {}   # until the next update
         self._last: dict[Groups, tuple[int, int]] = {}   # the option chosen last, per batch make-up
+        self._age: dict[Groups, int] = {}   # rounds since that choice was priced (RECHOOSE_ROUNDS)
         # Measured / predicted round time: by (drafting,), (drafting, rows) and (True, rows, block).
         self._ratio: dict[tuple, float] = {}
         self._samples: dict[tuple, deque[float]] = {}   # the latest samples behind each ratio
+        self._stale: set[tuple] = set()                 # keys with samples newer than their ratio
 
     # -- pricing --------------------------------------------------------------------
     def cost_ratio(self, drafting: bool, rows: int, block: int | None = None) -> float:
@@ -142,11 +164,19 @@ class DraftGate:
         kind (1.0 before any measurement)."""
         for key in ((drafting, rows, block), (drafting, rows)):
             if len(self._samples.get(key, ())) >= KEY_SAMPLES:
-                return self._ratio[key]
+                return self._ratio_of(key)
         for key in ((drafting,), (not drafting,)):
-            if key in self._ratio:
-                return self._ratio[key]
+            if key in self._samples:
+                return self._ratio_of(key)
         return 1.0
+
+    def _ratio_of(self, key: tuple) -> float:
+        """The median of key's samples, computed when it is asked for (rounds add samples
+        every round; options are priced every RECHOOSE_ROUNDS)."""
+        if key in self._stale:
+            self._ratio[key] = statistics.median(self._samples[key])
+            self._stale.discard(key)
+        return self._ratio[key]
 
     def rate(self, option: Option, rows: int) -> float:
         """Expected tokens per second of `option` for a batch of `rows` rows."""
@@ -160,7 +190,9 @@ class DraftGate:
         curve = self.curves.get(band)
         if curve is None:
             return [1.0] * self.window
-        return torch.cummin(curve, 0).values.tolist()
+        if band not in self._monotone:
+            self._monotone[band] = torch.cummin(curve, 0).values.tolist()
+        return self._monotone[band]
 
     def options(self, groups: Groups) -> list[Option]:
         """AR first, then every (first b bands draft, block length) option, priced by the
@@ -208,29 +240,45 @@ class DraftGate:
         start = 0
         for band, n in groups:
             drafting = start < k
-            if drafting and block == self.window:   # its whole curve is being measured
+            explore = self.explore_block(band)
+            if drafting and block >= explore:   # its curve is being measured as far as exploring would
                 self.skipped[band], self.interval[band] = 0, self.explore_every
                 start += n
                 continue
             # A band drafting a shorter block, or the first band that does not draft:
-            # now and then it drafts the full window, so the slots it does not draft
-            # (or all of them) are measured again.
+            # now and then it drafts its exploration block, so the slots it does not
+            # draft (or all of them) are measured again.
             self.skipped[band] = self.skipped.get(band, 0) + 1
             interval = self.interval.get(band, self.explore_every)
             if self.skipped[band] >= interval:
                 self.skipped[band] = 0
                 self.interval[band] = min(2 * interval, MAX_BACKOFF * self.explore_every)
-                return (k if drafting else start + min(n, self.explore_rows)), self.window
+                return (k, max(block, explore)) if drafting else (start + min(n, self.explore_rows), explore)
             if not drafting:
                 break
             start += n
         return choice
 
+    def explore_block(self, band: int) -> int:
+        """The block a band's exploration drafts: the shortest block choice reaching one slot
+        past the last whose survival is at least EXPLORE_FLOOR (at least EXPLORE_MIN_SLOTS;
+        the full window while the band is unmeasured)."""
+        curve = self.curve(band)
+        reached = next((j for j, x in enumerate(curve) if x < EXPLORE_FLOOR), len(curve))
+        want = max(EXPLORE_MIN_SLOTS, reached + 1)
+        return next((s for s in self.block_choices if s >= want), self.window)
+
     def _choose(self, groups: Groups, rows: int) -> tuple[int, int]:
+        """The best option (hysteresis: the last one unless another is clearly faster),
+        priced again every RECHOOSE_ROUNDS rounds of this batch make-up."""
+        last = self._last.get(groups)
+        if last is not None and groups in self._age and self._age[groups] + 1 < RECHOOSE_ROUNDS:
+            self._age[groups] += 1
+            return last
+        self._age[groups] = 0
         options = self.options(groups)
         rates = {(o.rows, o.block): self.rate(o, rows) for o in options}
         best = max(rates, key=lambda key: rates[key])
-        last = self._last.get(groups)
         if last is not None and last in rates and rates[last] * (1 + self.hysteresis) >= rates[best]:
             best = last
         self._last[groups] = best
@@ -260,10 +308,15 @@ class DraftGate:
     def rescale(self, factor: float) -> None:
         """The table was rescaled by `factor` (`CostTable.rescale`): every measured / predicted
         ratio learned against the old table is divided by it, so prices stay as measured."""
-        self._options.clear()
+        self._forget_prices()
         for key, samples in self._samples.items():
             self._samples[key] = deque((x / factor for x in samples), maxlen=RATIO_SAMPLES)
-            self._ratio[key] = statistics.median(self._samples[key])
+            self._stale.add(key)
+
+    def _forget_prices(self) -> None:
+        """Curves or costs changed: options are priced (and chosen) again."""
+        self._options.clear()
+        self._age.clear()
 
     def _learn(self, key: tuple, sample: float) -> None:
         """Record a measured / predicted sample: each ratio is the median of the last
@@ -271,9 +324,8 @@ class DraftGate:
         descheduled thread or a cold cache made slow: one outlier must not price a
         kind of round out for good, as the gate may never run it again."""
         for k in [key] + ([(key[0],)] if len(key) == 2 else []):
-            samples = self._samples.setdefault(k, deque(maxlen=RATIO_SAMPLES))
-            samples.append(sample)
-            self._ratio[k] = statistics.median(samples)
+            self._samples.setdefault(k, deque(maxlen=RATIO_SAMPLES)).append(sample)
+            self._stale.add(k)
 
     def update(self, survival: torch.Tensor, block: int | None = None, bands: Sequence[int] | None = None) -> None:
         """Record a drafting round's prefix survival [k, g'] over a block of `block`
@@ -283,7 +335,7 @@ class DraftGate:
         k = survival.shape[0]
         if survival.numel() == 0:
             return
-        self._options.clear()
+        self._forget_prices()
         block = min(survival.shape[1] if block is None else block, self.window)
         survival = survival.detach().to("cpu", torch.float64)
         band_of = torch.tensor(list(bands[:k]) if bands is not None else [0] * k)
@@ -302,8 +354,10 @@ class DraftGate:
             self._refresh_curve(band)
 
     def _refresh_curve(self, band: int) -> None:
-        # The optimistic prior weighs `prior_rounds` request-rounds of full survival.
-        self.curves[band] = (self.prior_rounds + self._sums[band]) / (self.prior_rounds + self._weights[band])
+        # The prior weighs `prior_rounds` request-rounds of prefix survival prior_decay ** (j - 1).
+        self._monotone.pop(band, None)
+        self.curves[band] = ((self.prior_rounds * self.prior + self._sums[band])
+                             / (self.prior_rounds + self._weights[band]))
 
     # -- what it learned, kept across calls (decoding/policy_memory.py) ---------------
     def state(self, with_costs: bool = True) -> dict[str, Any]:
@@ -317,7 +371,7 @@ class DraftGate:
 
     def load_state(self, state: dict[str, Any], with_costs: bool = True) -> None:
         """Take what `state` learned (a checked `state()`; with_costs: its round-time samples too)."""
-        self._options.clear()
+        self._forget_prices()
         for name, band in state["bands"].items():
             b = int(name)
             self._sums[b] = torch.tensor(band["sums"], dtype=torch.float64)
@@ -327,4 +381,4 @@ class DraftGate:
         if with_costs:
             for key, samples in state["ratios"]:
                 self._samples[tuple(key)] = deque(samples, maxlen=RATIO_SAMPLES)
-                self._ratio[tuple(key)] = statistics.median(samples)
+                self._stale.add(tuple(key))
