@@ -1,5 +1,5 @@
 """Prefill of a batch of HumanEval prompts: one right-padded forward
-(`round._prefill_rows`) vs `round.prefill`, which runs contiguous groups of
+(`prefill._prefill_rows`) vs `prefill.prefill`, which runs contiguous groups of
 similar length (`padding_groups`). Interleaved, medians; the sampled first tokens are
 checked equal.
 
@@ -17,7 +17,7 @@ import torch
 from blockspec import SamplingParams, Tokenizer, embedded, load_draft, load_target
 from blockspec.bench.datasets import humaneval
 from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.round import _prefill_rows, padding_groups, prefill
+from blockspec.decoding.prefill import _prefill_rows, padding_groups, prefill
 
 
 def main() -> None:

@@ -18,7 +18,8 @@ import torch
 from blockspec import embedded, load_draft, load_target
 from blockspec.config import DraftConfig, SamplingParams
 from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.round import prefill, propose, verify_and_commit
+from blockspec.decoding.prefill import prefill
+from blockspec.decoding.round import propose, verify_and_commit
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 from blockspec.training.pretrain import PretrainConfig, init_weights, model_config

@@ -15,7 +15,8 @@ from blockspec.decoding.captured import (CapturedSteps, captured_steps, release_
 from blockspec.decoding.generate import generate
 from blockspec.bench.arms import ForcedAcceptance
 from blockspec.decoding.policy import RoundPolicy as FixedWindow   # no table, no gate: full windows
-from blockspec.decoding.round import DENSE, Proposal, RoundInputs, prefill, speculative_round
+from blockspec.decoding.prefill import prefill
+from blockspec.decoding.round import DENSE, Proposal, RoundInputs, speculative_round
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
 from blockspec import GenerateOptions, PolicyOptions

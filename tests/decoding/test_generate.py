@@ -12,7 +12,8 @@ import torch
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import generate
 from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.round import Forwards, Proposal, WrappedForwards, padding_groups, prefill
+from blockspec.decoding.prefill import padding_groups, prefill
+from blockspec.decoding.round import Forwards, Proposal, WrappedForwards
 from blockspec.errors import BlockspecError
 from blockspec import GenerateOptions, PolicyOptions
 from conftest import make_draft, make_target, oracle_tokens

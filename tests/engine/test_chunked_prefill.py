@@ -14,7 +14,7 @@ import torch
 from blockspec import EngineOptions
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import generate
-from blockspec.decoding.round import prefill
+from blockspec.decoding.prefill import prefill
 from blockspec.decoding.sampling import RowSampler
 from blockspec.engine.engine import Engine
 from blockspec.engine.prefill_chunks import DEFAULT_CHUNK, chunk_size

@@ -18,7 +18,8 @@ from blockspec import EngineOptions, PolicyOptions
 from blockspec.config import SamplingParams
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import generate
-from blockspec.decoding.round import Forwards, Proposal, WrappedForwards, prefill
+from blockspec.decoding.prefill import prefill
+from blockspec.decoding.round import Forwards, Proposal, WrappedForwards
 from blockspec.decoding.sampling import RowSampler, Verdict, warp
 from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError

@@ -144,6 +144,7 @@ class DraftGate:
         self.block_choices = [s for s in table.draft_slot_counts if s < window] + [window]
         self.curves: dict[int, torch.Tensor] = {}   # band -> [window] mean prefix survival
         self._monotone: dict[int, list[float]] = {}   # band -> `curve(band)`, until the curve changes
+        self._explore: dict[int, int] = {}            # band -> `explore_block(band)`, likewise
         # Per band and slot: decayed sums of measured survival and of request-rounds.
         self._sums: dict[int, torch.Tensor] = {}
         self._weights: dict[int, torch.Tensor] = {}
@@ -151,6 +152,7 @@ class DraftGate:
         self.interval: dict[int, int] = {}          # band -> current exploration interval (backs off)
         self._options: dict[Groups, list[Option]] = {}   # until the next update
         self._last: dict[Groups, tuple[int, int]] = {}   # the option chosen last, per batch make-up
+        self._groups: dict[tuple[int, ...], Groups] = {}   # band_groups of the bands seen
         self._age: dict[Groups, int] = {}   # rounds since that choice was priced (RECHOOSE_ROUNDS)
         # Measured / predicted round time: by (drafting,), (drafting, rows) and (True, rows, block).
         self._ratio: dict[tuple, float] = {}
@@ -223,11 +225,15 @@ class DraftGate:
     def decide(self, bands: int | Sequence[int]) -> tuple[int, int]:
         """(first k rows that draft, block length in drafts) for rows of these temperature
         bands (an int: that many greedy rows); (0, 0) is an AR round."""
-        bands = [0] * bands if isinstance(bands, int) else list(bands)
+        bands = (0,) * bands if isinstance(bands, int) else tuple(bands)
         rows = len(bands)
         if not self.table.has_draft_times or rows == 0:
             return rows, self.window
-        groups = band_groups(bands)
+        groups = self._groups.get(bands)
+        if groups is None:
+            if len(self._groups) >= 1024:   # an engine's batch make-ups come and go
+                self._groups.clear()
+            groups = self._groups[bands] = band_groups(bands)
         start = 0
         for band, n in groups:
             if band not in self.curves:   # measure it first
@@ -263,10 +269,12 @@ class DraftGate:
         """The block a band's exploration drafts: the shortest block choice reaching one slot
         past the last whose survival is at least EXPLORE_FLOOR (at least EXPLORE_MIN_SLOTS;
         the full window while the band is unmeasured)."""
-        curve = self.curve(band)
-        reached = next((j for j, x in enumerate(curve) if x < EXPLORE_FLOOR), len(curve))
-        want = max(EXPLORE_MIN_SLOTS, reached + 1)
-        return next((s for s in self.block_choices if s >= want), self.window)
+        if band not in self._explore:
+            curve = self.curve(band)
+            reached = next((j for j, x in enumerate(curve) if x < EXPLORE_FLOOR), len(curve))
+            want = max(EXPLORE_MIN_SLOTS, reached + 1)
+            self._explore[band] = next((s for s in self.block_choices if s >= want), self.window)
+        return self._explore[band]
 
     def _choose(self, groups: Groups, rows: int) -> tuple[int, int]:
         """The best option (hysteresis: the last one unless another is clearly faster),
@@ -323,8 +331,11 @@ class DraftGate:
         RATIO_SAMPLES samples of its key (and of its kind), robust to the odd round a
         descheduled thread or a cold cache made slow: one outlier must not price a
         kind of round out for good, as the gate may never run it again."""
-        for k in [key] + ([(key[0],)] if len(key) == 2 else []):
-            self._samples.setdefault(k, deque(maxlen=RATIO_SAMPLES)).append(sample)
+        for k in (key, (key[0],)) if len(key) == 2 else (key,):
+            samples = self._samples.get(k)
+            if samples is None:
+                samples = self._samples[k] = deque(maxlen=RATIO_SAMPLES)
+            samples.append(sample)
             self._stale.add(k)
 
     def update(self, survival: torch.Tensor, block: int | None = None, bands: Sequence[int] | None = None) -> None:
@@ -356,6 +367,7 @@ class DraftGate:
     def _refresh_curve(self, band: int) -> None:
         # The prior weighs `prior_rounds` request-rounds of prefix survival prior_decay ** (j - 1).
         self._monotone.pop(band, None)
+        self._explore.pop(band, None)
         self.curves[band] = ((self.prior_rounds * self.prior + self._sums[band])
                              / (self.prior_rounds + self._weights[band]))
 

@@ -20,7 +20,8 @@ from blockspec.decoding.context import PendingContext
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
 from blockspec.decoding.penalties import LogitAdjust
 from blockspec.decoding.policy import PolicyOptions, RoundPolicy
-from blockspec.decoding.round import DENSE, Forwards, Prefilled, RoundInputs, RoundOutcome, prefill, speculative_round
+from blockspec.decoding.prefill import Prefilled, prefill
+from blockspec.decoding.round import DENSE, Forwards, RoundInputs, RoundOutcome, speculative_round
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
 from blockspec.metrics import prefix_outcomes, survival, tau

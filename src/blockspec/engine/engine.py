@@ -33,7 +33,8 @@ from blockspec.decoding.context import DraftContext
 from blockspec.decoding.generate import check_method
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
 from blockspec.decoding.policy import PolicyOptions, RoundPolicy
-from blockspec.decoding.round import Forwards, PackedForwards, RoundInputs, prefill, speculative_round
+from blockspec.decoding.prefill import prefill
+from blockspec.decoding.round import Forwards, PackedForwards, RoundInputs, speculative_round
 from blockspec.decoding.sampling import RowSampler, new_generator
 from blockspec.engine.handles import RequestHandle, RequestOutput
 from blockspec.engine.memory import plan_for_models

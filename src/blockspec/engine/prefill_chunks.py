@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.decoding.round import first_logprobs
+from blockspec.decoding.prefill import first_logprobs
 from blockspec.decoding.sampling import RowSampler, sample
 from blockspec.engine.handles import RequestHandle
 from blockspec.engine.slots import SlotPool
