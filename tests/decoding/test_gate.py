@@ -7,7 +7,7 @@ import torch
 
 from blockspec.config import SamplingParams, temperature_band
 from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.gate import EXPLORE_FLOOR, KEY_SAMPLES, RECHOOSE_ROUNDS, DraftGate, GateTuning, band_groups
+from blockspec.decoding.gate import GREEDY_MAX_BACKOFF, KEY_SAMPLES, MAX_BACKOFF, RECHOOSE_ROUNDS, DraftGate, GateTuning, band_groups
 from blockspec.errors import BlockspecError
 
 # Drafting a full 3-slot block costs 0.5 s at 1 row and 1.0 s at 4; verify T(n) rises
@@ -42,6 +42,7 @@ def test_greedy_rows_keep_drafting_next_to_sampled_rows_that_do_not_pay():
     pooled.update(torch.ones(2, 3))
     for _ in range(20):
         pooled.update(torch.cat([torch.ones(2, 3), torch.zeros(2, 3)]))
+    assert pooled.decide(4) == (4, 3)                   # (rows accepted whole blocks: one more exploration)
     assert pooled.decide(4) == (0, 0)
 
 
@@ -142,22 +143,24 @@ def test_one_fruitless_round_does_not_make_every_slot_look_likely():
         GateTuning(prior_decay=0.0)
 
 
-def test_explorations_draft_as_far_as_the_curve_reaches():
-    """An exploration drafts up to one slot past the last that rounds reach with survival
-    >= EXPLORE_FLOOR (not the whole window: verifying slots nobody reaches is the cost of
-    exploring where drafting does not pay), and lengthens as the tail improves."""
-    table = CostTable([1, 16], [1.0, 3.0], draft_rows=[1], draft_times_s=[2.0],
-                      draft_slot_times={2: [1.0], 4: [1.5]}, draft_window=8)   # drafting never pays here
-    gate = DraftGate(table, window=8, full_window=True, tuning=GateTuning(explore_every=4, prior_rounds=0.0))
-    assert gate.explore_block(0) == 8                   # unmeasured
-    assert gate.decide(1) == (1, 8)
-    gate.update(torch.tensor([[1.0] + [0.0] * 7]))      # slot 1 accepted, slot 2 not
-    assert gate.explore_block(0) == 2                   # slot 2 (survival 0) is the one past the reached slot
-    decisions = [gate.decide(1) for _ in range(4)]
-    assert decisions[:3] == [(0, 0)] * 3 and decisions[3] == (1, 2)
-    gate.update(torch.tensor([[1.0, 1.0]]), block=2)    # the tail improves: both slots accepted
-    assert gate.explore_block(0) == 4                   # slot 3 (still 0 from the first round) is next
-    assert EXPLORE_FLOOR < 0.1
+def test_a_whole_block_accepted_explores_again_at_once():
+    """Greedy text turns repetitive after a novel start (the shipped target loops): a band
+    priced out early explores only every backed-off interval (128 rounds: a whole request
+    at batch 1), so an exploration whose rows accepted the whole block explores again next
+    round, its interval reset; a fruitless one waits its doubled interval."""
+    table = CostTable([1, 16], [1.0, 2.0], draft_rows=[1], draft_times_s=[1.0])
+    gate = DraftGate(table, window=4, full_window=True, tuning=GateTuning(explore_every=2, momentum=1.0, jitter=False))
+    assert gate.decide(1) == (1, 4)
+    for _ in range(8):
+        gate.update(torch.zeros(1, 4))                  # a novel start: nothing accepted
+    schedule = [gate.decide(1) for _ in range(7)]
+    assert schedule == [(0, 0), (1, 4), (0, 0), (0, 0), (0, 0), (1, 4), (0, 0)]   # every 2, then 4 rounds
+    gate.update(torch.ones(1, 4))                       # the text turned repetitive
+    assert gate.decide(1) == (1, 4)                     # at once, not 8 rounds later
+    gate.update(torch.ones(1, 4))
+    assert gate.decide(1) == (1, 4)
+    gate.update(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # a miss: the reset interval (2) applies again
+    assert [gate.decide(1) for _ in range(3)] == [(0, 0), (1, 4), (0, 0)]
 
 
 def test_options_are_priced_every_few_rounds_and_at_once_after_a_new_curve():
@@ -179,3 +182,24 @@ def test_options_are_priced_every_few_rounds_and_at_once_after_a_new_curve():
     assert fresh.decide(1) == (1, 3)
     fresh.update(torch.tensor([[0.0, 0.0, 0.0]]))      # a new curve is priced at once
     assert fresh.decide(1) == (0, 0)
+
+
+@pytest.mark.parametrize("band, cap", [(0, GREEDY_MAX_BACKOFF), (2, MAX_BACKOFF)])
+def test_exploration_waits_are_jittered_and_capped_per_band(band, cap):
+    """A wait between fruitless explorations is drawn from the upper half of its interval
+    (an interval as long as a request measured the same phase of every request), and the
+    greedy band's interval stops doubling sooner: its acceptance changes with the text."""
+    table = CostTable([1, 16], [1.0, 2.0], draft_rows=[1], draft_times_s=[1.0])
+    gate = DraftGate(table, window=4, full_window=True, tuning=GateTuning(explore_every=4))
+    gate.decide([band])
+    gate.update(torch.zeros(1, 4), bands=[band])          # drafting does not pay
+    explored = [i for i in range(3000) if gate.decide([band])[0]]
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    late = gaps[8:]                                        # the interval is at its cap by then
+    assert gate.interval[band] == cap * 4
+    assert all(cap * 2 <= g <= cap * 4 for g in late) and len(set(late)) > 3
+    fixed = DraftGate(table, window=4, full_window=True, tuning=GateTuning(explore_every=4, jitter=False))
+    fixed.decide([band])
+    fixed.update(torch.zeros(1, 4), bands=[band])
+    explored = [i for i in range(3000) if fixed.decide([band])[0]]
+    assert {b - a for a, b in zip(explored[8:], explored[9:])} == {cap * 4}

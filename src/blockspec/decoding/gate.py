@@ -10,6 +10,7 @@ tokens per second.
 from __future__ import annotations
 
 import heapq
+import random
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -26,6 +27,11 @@ Groups = tuple[tuple[int, int], ...]   # (band, rows) runs in row order
 # A fruitless exploration doubles the band's interval, up to this many times explore_every:
 # where drafting never pays (sampling at batch 1 on a CPU), exploring costs ~1% of the time.
 MAX_BACKOFF = 16
+# ... and for the greedy band, up to this many: greedy acceptance changes with the text
+# (a novel start, then repetition where the draft is accepted whole), so it is checked
+# several times per request (128 rounds between explorations is a whole request at batch 1:
+# measured, every exploration of a loop of requests fell in their novel starts).
+GREEDY_MAX_BACKOFF = 4
 # Each measured / predicted round-time ratio is the median of this many latest samples:
 # enough that a few slow rounds (another process, a page fault) do not tip a decision.
 RATIO_SAMPLES = 64
@@ -33,13 +39,7 @@ RATIO_SAMPLES = 64
 # table changed): new round times move a median of 64 samples only slowly, and pricing
 # every option every round cost ~1% of a batch-1 AR round on a CPU.
 RECHOOSE_ROUNDS = 8
-# An exploration drafts the band's block up to its first slot whose survival is below this
-# (and at least EXPLORE_MIN_SLOTS): a slot that few rounds reach is rarely measured by
-# verifying it, while verifying it costs every exploration (sampling at batch 1 on a CPU:
-# full 16-slot explorations were most of what drafting lost there). The slot past it is
-# verified too, so an improving tail lengthens the next exploration.
-EXPLORE_FLOOR = 0.05
-EXPLORE_MIN_SLOTS = 2
+
 # A kind of round by rows (and block) is priced by its own ratio once this many of its rounds
 # were timed, before that by its kind's: a block length drafted once in a quiet (or a busy)
 # spell would otherwise look cheap (or dear) on one sample and be chosen (or never tried) for good.
@@ -74,7 +74,10 @@ class GateTuning:
     the weight of the prior in request-rounds and its per-slot decay (the prior's prefix
     survival at slot j is prior_decay ** (j - 1): full survival at every slot made one
     fruitless round look like survival 1/3 at all 15 slots, 6 expected tokens, and a
-    fresh policy drafted several rounds more where nothing was accepted)."""
+    fresh policy drafted several rounds more where nothing was accepted); jitter: each
+    wait between explorations is drawn from its interval's upper half (a gate-owned
+    generator seeded by `seed`), so explorations do not fall at the same point of
+    requests as long as the interval (they measured the same phase every time)."""
 
     momentum: float = 0.95
     explore_every: int = 8
@@ -82,6 +85,8 @@ class GateTuning:
     hysteresis: float = 0.05
     prior_rounds: float = 0.5
     prior_decay: float = 0.8
+    jitter: bool = True
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.explore_every < 1:
@@ -110,10 +115,12 @@ class DraftGate:
     prior worth `prior_rounds` request-rounds of prefix survival decaying by
     `prior_decay` per slot. Exploration: an unmeasured band drafts first (its first
     `explore_rows` rows, the full block; the bands before it draft too, drafting rows
-    being a prefix); a band that does not draft, or drafts a shorter block than it
-    explores, drafts its exploration block (`explore_block`: up to the first slot its
-    curve says few rounds reach) after `explore_every` rounds, each exploration doubling
-    its interval up to MAX_BACKOFF x, so a load where drafting never pays spends little on it.
+    being a prefix); a band that does not draft, or drafts a shorter block, drafts the
+    full block again after `explore_every` rounds, each exploration doubling its
+    interval up to MAX_BACKOFF x, so a load where drafting never pays spends little on
+    it. A band whose rows accepted a whole block explores again at once, its interval
+    reset: acceptance changes within a request (greedy text turning repetitive after a
+    novel start), and a backed-off interval of 128 rounds is a whole request.
     Hysteresis: the option chosen last keeps winning unless another is expected to
     be `hysteresis` faster, so equal loads do not flap between AR and drafting.
 
@@ -139,12 +146,13 @@ class DraftGate:
         self.warm_ar_rounds = warm_ar_rounds
         self.table, self.window, self.momentum = table, window, tuning.momentum
         self.explore_every, self.explore_rows = tuning.explore_every, tuning.explore_rows
+        self.jitter, self._rng = tuning.jitter, random.Random(tuning.seed)
         self.min_survival = min_survival
         # Block lengths to price: the table's measured ones below the window, and the window.
         self.block_choices = [s for s in table.draft_slot_counts if s < window] + [window]
         self.curves: dict[int, torch.Tensor] = {}   # band -> [window] mean prefix survival
         self._monotone: dict[int, list[float]] = {}   # band -> `curve(band)`, until the curve changes
-        self._explore: dict[int, int] = {}            # band -> `explore_block(band)`, likewise
+        self._due: set[int] = set()   # bands whose next exploration is due at once (`update`)
         # Per band and slot: decayed sums of measured survival and of request-rounds.
         self._sums: dict[int, torch.Tensor] = {}
         self._weights: dict[int, torch.Tensor] = {}
@@ -246,35 +254,31 @@ class DraftGate:
         start = 0
         for band, n in groups:
             drafting = start < k
-            explore = self.explore_block(band)
-            if drafting and block >= explore:   # its curve is being measured as far as exploring would
+            if drafting and block == self.window:   # its whole curve is being measured
                 self.skipped[band], self.interval[band] = 0, self.explore_every
+                self._due.discard(band)
                 start += n
                 continue
             # A band drafting a shorter block, or the first band that does not draft:
-            # now and then it drafts its exploration block, so the slots it does not
-            # draft (or all of them) are measured again.
+            # now and then it drafts the full window, so the slots it does not draft
+            # (or all of them) are measured again.
             self.skipped[band] = self.skipped.get(band, 0) + 1
             interval = self.interval.get(band, self.explore_every)
-            if self.skipped[band] >= interval:
-                self.skipped[band] = 0
-                self.interval[band] = min(2 * interval, MAX_BACKOFF * self.explore_every)
-                return (k, max(block, explore)) if drafting else (start + min(n, self.explore_rows), explore)
+            if self.skipped[band] >= interval or band in self._due:
+                if band not in self._due:
+                    cap = GREEDY_MAX_BACKOFF if band == 0 else MAX_BACKOFF
+                    self.interval[band] = min(2 * interval, cap * self.explore_every)
+                self.skipped[band] = self._head_start(self.interval[band])
+                self._due.discard(band)
+                return (k if drafting else start + min(n, self.explore_rows)), self.window
             if not drafting:
                 break
             start += n
         return choice
 
-    def explore_block(self, band: int) -> int:
-        """The block a band's exploration drafts: the shortest block choice reaching one slot
-        past the last whose survival is at least EXPLORE_FLOOR (at least EXPLORE_MIN_SLOTS;
-        the full window while the band is unmeasured)."""
-        if band not in self._explore:
-            curve = self.curve(band)
-            reached = next((j for j, x in enumerate(curve) if x < EXPLORE_FLOOR), len(curve))
-            want = max(EXPLORE_MIN_SLOTS, reached + 1)
-            self._explore[band] = next((s for s in self.block_choices if s >= want), self.window)
-        return self._explore[band]
+    def _head_start(self, interval: int) -> int:
+        """Rounds the next wait of `interval` rounds starts counted (jitter: up to half)."""
+        return self._rng.randrange(interval // 2 + 1) if self.jitter else 0
 
     def _choose(self, groups: Groups, rows: int) -> tuple[int, int]:
         """The best option (hysteresis: the last one unless another is clearly faster),
@@ -363,11 +367,19 @@ class DraftGate:
             sums[:block] = decay * sums[:block] + total
             weights[:block] = decay * weights[:block] + n
             self._refresh_curve(band)
+            # A row that accepted its whole block (greedy text that turned repetitive,
+            # after a start where the draft missed) explores again next round, its
+            # interval reset, instead of after a backed-off interval (up to 128 rounds:
+            # a whole request at batch 1).
+            if rows.shape[1] >= block and float(rows[:, block - 1].max()) >= 0.5:
+                self._due.add(band)
+                self.interval[band] = self.explore_every
+            else:
+                self._due.discard(band)
 
     def _refresh_curve(self, band: int) -> None:
         # The prior weighs `prior_rounds` request-rounds of prefix survival prior_decay ** (j - 1).
         self._monotone.pop(band, None)
-        self._explore.pop(band, None)
         self.curves[band] = ((self.prior_rounds * self.prior + self._sums[band])
                              / (self.prior_rounds + self._weights[band]))
 
