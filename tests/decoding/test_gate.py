@@ -7,7 +7,7 @@ import torch
 
 from blockspec.config import SamplingParams, temperature_band
 from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.gate import GREEDY_MAX_BACKOFF, KEY_SAMPLES, MAX_BACKOFF, RECHOOSE_ROUNDS, DraftGate, GateTuning, band_groups
+from blockspec.decoding.gate import EXPLORE_FLOOR, GREEDY_MAX_BACKOFF, KEY_SAMPLES, MAX_BACKOFF, RECHOOSE_ROUNDS, DraftGate, GateTuning, band_groups
 from blockspec.errors import BlockspecError
 
 # Drafting a full 3-slot block costs 0.5 s at 1 row and 1.0 s at 4; verify T(n) rises
@@ -147,7 +147,7 @@ def test_a_whole_block_accepted_explores_again_at_once():
     """Greedy text turns repetitive after a novel start (the shipped target loops): a band
     priced out early explores only every backed-off interval (128 rounds: a whole request
     at batch 1), so an exploration whose rows accepted the whole block explores again next
-    round, its interval reset; a fruitless one waits its doubled interval."""
+    round; a fruitless one waits its doubled interval."""
     table = CostTable([1, 16], [1.0, 2.0], draft_rows=[1], draft_times_s=[1.0])
     gate = DraftGate(table, window=4, full_window=True, tuning=GateTuning(explore_every=2, momentum=1.0, jitter=False))
     assert gate.decide(1) == (1, 4)
@@ -159,8 +159,8 @@ def test_a_whole_block_accepted_explores_again_at_once():
     assert gate.decide(1) == (1, 4)                     # at once, not 8 rounds later
     gate.update(torch.ones(1, 4))
     assert gate.decide(1) == (1, 4)
-    gate.update(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # a miss: the reset interval (2) applies again
-    assert [gate.decide(1) for _ in range(3)] == [(0, 0), (1, 4), (0, 0)]
+    gate.update(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # a miss: the band waits its interval (8) again
+    assert [gate.decide(1) for _ in range(8)] == [(0, 0)] * 7 + [(1, 4)]
 
 
 def test_options_are_priced_every_few_rounds_and_at_once_after_a_new_curve():
@@ -203,3 +203,25 @@ def test_exploration_waits_are_jittered_and_capped_per_band(band, cap):
     fixed.update(torch.zeros(1, 4), bands=[band])
     explored = [i for i in range(3000) if fixed.decide([band])[0]]
     assert {b - a for a, b in zip(explored[8:], explored[9:])} == {cap * 4}
+
+
+def test_a_sampled_band_explores_as_far_as_its_curve_reaches():
+    """A sampled band's exploration drafts up to one slot past the last that rounds reach
+    with survival >= EXPLORE_FLOOR (verifying slots nobody reaches is what exploring costs
+    where drafting does not pay); the greedy band explores the whole window."""
+    table = CostTable([1, 16], [1.0, 3.0], draft_rows=[1], draft_times_s=[2.0],
+                      draft_slot_times={2: [1.0], 4: [1.5]}, draft_window=8)   # drafting never pays here
+    gate = DraftGate(table, window=8, full_window=True,
+                     tuning=GateTuning(explore_every=4, prior_rounds=0.0, jitter=False))
+    assert gate.explore_block(2) == 8 and gate.decide([2]) == (1, 8)   # unmeasured: the full window
+    gate.update(torch.tensor([[1.0] + [0.0] * 7]), bands=[2])          # slot 1 accepted, slot 2 not
+    assert gate.explore_block(2) == 2                   # slot 2 (survival 0) is the one past the reached slot
+    decisions = [gate.decide([2]) for _ in range(4)]
+    assert decisions[:3] == [(0, 0)] * 3 and decisions[3] == (1, 2)
+    gate.update(torch.tensor([[1.0, 1.0]]), block=2, bands=[2])   # the tail improves: both slots accepted ...
+    assert gate.explore_block(2) == 4                   # ... slot 3 (0 from the first round) is next
+    assert gate.decide([2]) == (1, 4)                   # and, a whole block accepted, at once
+    greedy = DraftGate(table, window=8, full_window=True, tuning=GateTuning(prior_rounds=0.0))
+    greedy.decide([0])
+    greedy.update(torch.tensor([[1.0] + [0.0] * 7]), bands=[0])
+    assert greedy.explore_block(0) == 8 and EXPLORE_FLOOR < 0.1

@@ -32,6 +32,14 @@ MAX_BACKOFF = 16
 # several times per request (128 rounds between explorations is a whole request at batch 1:
 # measured, every exploration of a loop of requests fell in their novel starts).
 GREEDY_MAX_BACKOFF = 4
+# A sampled band's exploration drafts up to one slot past the last whose survival is at
+# least this (at least EXPLORE_MIN_SLOTS): sampled acceptance is low and steady, a slot few
+# rounds reach is rarely measured by verifying it, and verifying it costs every exploration
+# (at temperature 1 at batch 1 on a CPU, full 16-slot explorations were most of what the
+# adaptive policy lost to AR). The greedy band explores the full window (its tail is
+# reached whole once the text repeats).
+EXPLORE_FLOOR = 0.05
+EXPLORE_MIN_SLOTS = 2
 # Each measured / predicted round-time ratio is the median of this many latest samples:
 # enough that a few slow rounds (another process, a page fault) do not tip a decision.
 RATIO_SAMPLES = 64
@@ -115,11 +123,11 @@ class DraftGate:
     prior worth `prior_rounds` request-rounds of prefix survival decaying by
     `prior_decay` per slot. Exploration: an unmeasured band drafts first (its first
     `explore_rows` rows, the full block; the bands before it draft too, drafting rows
-    being a prefix); a band that does not draft, or drafts a shorter block, drafts the
-    full block again after `explore_every` rounds, each exploration doubling its
+    being a prefix); a band that does not draft, or drafts a shorter block, drafts its
+    exploration block (`explore_block`: the full window for the greedy band, as far as
+    the curve reaches for a sampled one) again after `explore_every` rounds, each exploration doubling its
     interval up to MAX_BACKOFF x, so a load where drafting never pays spends little on
-    it. A band whose rows accepted a whole block explores again at once, its interval
-    reset: acceptance changes within a request (greedy text turning repetitive after a
+    it. A band whose rows accepted a whole block explores again at once: acceptance changes within a request (greedy text turning repetitive after a
     novel start), and a backed-off interval of 128 rounds is a whole request.
     Hysteresis: the option chosen last keeps winning unless another is expected to
     be `hysteresis` faster, so equal loads do not flap between AR and drafting.
@@ -152,6 +160,7 @@ class DraftGate:
         self.block_choices = [s for s in table.draft_slot_counts if s < window] + [window]
         self.curves: dict[int, torch.Tensor] = {}   # band -> [window] mean prefix survival
         self._monotone: dict[int, list[float]] = {}   # band -> `curve(band)`, until the curve changes
+        self._explore: dict[int, int] = {}            # band -> `explore_block(band)`, until the curve changes
         self._due: set[int] = set()   # bands whose next exploration is due at once (`update`)
         # Per band and slot: decayed sums of measured survival and of request-rounds.
         self._sums: dict[int, torch.Tensor] = {}
@@ -254,27 +263,41 @@ class DraftGate:
         start = 0
         for band, n in groups:
             drafting = start < k
-            if drafting and block == self.window:   # its whole curve is being measured
+            explore = self.explore_block(band)
+            if drafting and block >= explore:   # its curve is being measured as far as exploring would
                 self.skipped[band], self.interval[band] = 0, self.explore_every
                 self._due.discard(band)
                 start += n
                 continue
             # A band drafting a shorter block, or the first band that does not draft:
-            # now and then it drafts the full window, so the slots it does not draft
-            # (or all of them) are measured again.
+            # now and then it drafts its exploration block, so the slots it does not
+            # draft (or all of them) are measured again.
             self.skipped[band] = self.skipped.get(band, 0) + 1
             interval = self.interval.get(band, self.explore_every)
             if self.skipped[band] >= interval or band in self._due:
                 if band not in self._due:
                     cap = GREEDY_MAX_BACKOFF if band == 0 else MAX_BACKOFF
-                    self.interval[band] = min(2 * interval, cap * self.explore_every)
-                self.skipped[band] = self._head_start(self.interval[band])
+                    interval = self.interval[band] = min(2 * interval, cap * self.explore_every)
+                self.skipped[band] = self._head_start(interval)
                 self._due.discard(band)
-                return (k if drafting else start + min(n, self.explore_rows)), self.window
+                return (k, max(block, explore)) if drafting else (start + min(n, self.explore_rows), explore)
             if not drafting:
                 break
             start += n
         return choice
+
+    def explore_block(self, band: int) -> int:
+        """The block a band's exploration drafts: the full window for the greedy band (and
+        an unmeasured one), else the shortest block choice reaching one slot past the last
+        whose survival is at least EXPLORE_FLOOR (and at least EXPLORE_MIN_SLOTS)."""
+        if band == 0 or band not in self.curves:
+            return self.window
+        if band not in self._explore:
+            curve = self.curve(band)
+            reached = next((j for j, x in enumerate(curve) if x < EXPLORE_FLOOR), len(curve))
+            want = max(EXPLORE_MIN_SLOTS, reached + 1)
+            self._explore[band] = next((s for s in self.block_choices if s >= want), self.window)
+        return self._explore[band]
 
     def _head_start(self, interval: int) -> int:
         """Rounds the next wait of `interval` rounds starts counted (jitter: up to half)."""
@@ -368,18 +391,19 @@ class DraftGate:
             weights[:block] = decay * weights[:block] + n
             self._refresh_curve(band)
             # A row that accepted its whole block (greedy text that turned repetitive,
-            # after a start where the draft missed) explores again next round, its
-            # interval reset, instead of after a backed-off interval (up to 128 rounds:
-            # a whole request at batch 1).
+            # after a start where the draft missed) explores again next round instead of
+            # after a backed-off interval (up to 128 rounds: a whole request at batch 1).
+            # The interval stays: at temperature 1 a short block is now and then accepted
+            # whole, and a reset interval cost five more explorations each time.
             if rows.shape[1] >= block and float(rows[:, block - 1].max()) >= 0.5:
                 self._due.add(band)
-                self.interval[band] = self.explore_every
             else:
                 self._due.discard(band)
 
     def _refresh_curve(self, band: int) -> None:
         # The prior weighs `prior_rounds` request-rounds of prefix survival prior_decay ** (j - 1).
         self._monotone.pop(band, None)
+        self._explore.pop(band, None)
         self.curves[band] = ((self.prior_rounds * self.prior + self._sums[band])
                              / (self.prior_rounds + self._weights[band]))
 

@@ -166,7 +166,6 @@ class RoundPolicy:
         self.calibrate = calibrate and self.table is not None and window > 0
         self.calibrations: dict[int, ConfidenceCalibration] = {}   # by temperature band
         self._bands: list[int] = []   # the bands of the rows of the round in progress
-        self._drafted_last = True     # the previous round drafted (no AR stretch behind it)
         self.memory: PolicyMemory | None = None   # where `remember` keeps what it learned
         self.drift = CostDrift()
         self._timed: set[bool] = set()   # kinds of round (drafting or not) timed so far
@@ -308,13 +307,13 @@ class RoundPolicy:
 
     def observe_time(self, rows: int, outcome: RoundOutcome, seconds: float) -> None:
         """A finished round's wall time, bookkeeping included (the gate's cost feedback).
-        The first drafting round after AR rounds appends their buffered draft context: a
-        cost of the AR stretch, not of drafting, so it is left out of that round's time.
+        The first drafting round after AR rounds also appends their buffered draft context;
+        that is counted, as it is what drafting after an AR stretch costs (where drafting
+        rounds are isolated, at temperature 1, each pays it: left out, DSpark's rounds were
+        priced about a third below what they took and the gate drafted where it lost).
         A table that rounds show to be off by more than a margin is rescaled and written
         back to the cache (`CostDrift`)."""
         if self.gate is not None and self.gate_feedback:
-            if outcome.drafting_rows and not self._drafted_last:
-                seconds -= outcome.context_s
             # The first round of each kind (AR, drafting) a policy times runs cold: the
             # draft's first forward in a process, a call's fresh caches. Learned, it would
             # price drafting out for many rounds (and, remembered, for later calls).
@@ -330,7 +329,6 @@ class RoundPolicy:
                 self.gate.table.rescale(factor)
                 self.gate.rescale(factor)
                 write_back(self.gate.table)
-        self._drafted_last = outcome.drafting_rows > 0
 
     # -- what it learned, kept across calls ------------------------------------------
     def state(self) -> dict[str, Any]:
