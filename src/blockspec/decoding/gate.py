@@ -32,6 +32,7 @@ MAX_BACKOFF = 16
 # several times per request (128 rounds between explorations is a whole request at batch 1:
 # measured, every exploration of a loop of requests fell in their novel starts).
 GREEDY_MAX_BACKOFF = 4
+GREEDY_BAND = 0   # `config.temperature_band` of greedy rows
 # A sampled band's exploration drafts up to one slot past the last whose survival is at
 # least this (at least EXPLORE_MIN_SLOTS): sampled acceptance is low and steady, a slot few
 # rounds reach is rarely measured by verifying it, and verifying it costs every exploration
@@ -125,10 +126,12 @@ class DraftGate:
     `explore_rows` rows, the full block; the bands before it draft too, drafting rows
     being a prefix); a band that does not draft, or drafts a shorter block, drafts its
     exploration block (`explore_block`: the full window for the greedy band, as far as
-    the curve reaches for a sampled one) again after `explore_every` rounds, each exploration doubling its
-    interval up to MAX_BACKOFF x, so a load where drafting never pays spends little on
-    it. A band whose rows accepted a whole block explores again at once: acceptance changes within a request (greedy text turning repetitive after a
-    novel start), and a backed-off interval of 128 rounds is a whole request.
+    the curve reaches for a sampled one) again after `explore_every` rounds, each
+    exploration doubling its interval up to MAX_BACKOFF x (GREEDY_MAX_BACKOFF x for the
+    greedy band), so a load where drafting never pays spends little on it; waits are
+    jittered (`GateTuning.jitter`). A band whose rows accepted a whole block explores
+    again at once: acceptance changes within a request (greedy text turning repetitive
+    after a novel start), and a backed-off interval of 128 rounds is a whole request.
     Hysteresis: the option chosen last keeps winning unless another is expected to
     be `hysteresis` faster, so equal loads do not flap between AR and drafting.
 
@@ -276,7 +279,7 @@ class DraftGate:
             interval = self.interval.get(band, self.explore_every)
             if self.skipped[band] >= interval or band in self._due:
                 if band not in self._due:
-                    cap = GREEDY_MAX_BACKOFF if band == 0 else MAX_BACKOFF
+                    cap = GREEDY_MAX_BACKOFF if band == GREEDY_BAND else MAX_BACKOFF
                     interval = self.interval[band] = min(2 * interval, cap * self.explore_every)
                 self.skipped[band] = self._head_start(interval)
                 self._due.discard(band)
@@ -290,7 +293,7 @@ class DraftGate:
         """The block a band's exploration drafts: the full window for the greedy band (and
         an unmeasured one), else the shortest block choice reaching one slot past the last
         whose survival is at least EXPLORE_FLOOR (and at least EXPLORE_MIN_SLOTS)."""
-        if band == 0 or band not in self.curves:
+        if band == GREEDY_BAND or band not in self.curves:
             return self.window
         if band not in self._explore:
             curve = self.curve(band)
