@@ -275,7 +275,6 @@ class RoundOutcome:
     draft_s: float = 0.0
     plan_s: float = 0.0
     verify_s: float = 0.0
-    context_s: float = 0.0        # of draft_s: the drafting rows' buffered context appended before drafting
     logprobs: list | None = None  # per row: its new tokens' TokenLogprobs (None: the row asked none)
 
     def new_tokens(self, row: int) -> list[int]:
@@ -306,12 +305,10 @@ def speculative_round(batch: RoundInputs, policy: Policy, *, rule: str = "reject
     r = anchors.shape[0]
     bands = batch.bands if batch.bands is not None else [temperature_band(t) for t in sampler.temperature.tolist()]
     k, block = policy.decide(bands) if draft is not None else (0, 0)
-    proposal, context_s = None, 0.0
+    proposal = None
     if k:
         assert batch.context is not None and batch.draft_cache is not None
-        t_context = time.perf_counter()
-        batch.context.flush(k)
-        context_s = time.perf_counter() - t_context
+        batch.context.flush(k)   # (its time is drafting's: counted in draft_s and the round's)
         sub = sampler if k == r else sampler.select(list(range(k)))
         cache = batch.draft_cache if k == r else batch.draft_cache.slice_rows(0, k)
         proposal = forwards.propose(draft, target, cache, anchors[:k], sub, block, policy.stop_below(k),
@@ -337,7 +334,7 @@ def speculative_round(batch: RoundInputs, policy: Policy, *, rule: str = "reject
     raw = proposal.raw_confidence if proposal is not None else None
     outcome = RoundOutcome(drafted, verified, accepted, bonus, None if raw is None else raw[:k],
                            k, block if k else 0, draft_s=t_drafted - t_start, plan_s=t_planned - t_drafted,
-                           verify_s=t_verified - t_planned, context_s=context_s, logprobs=verdict.logprobs)
+                           verify_s=t_verified - t_planned, logprobs=verdict.logprobs)
     batch.anchors = verdict.bonus
     policy.observe(outcome, proposal, lens)
     return outcome
