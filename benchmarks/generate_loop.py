@@ -34,7 +34,9 @@ ARMS = {"ar": ("ar", None, None),
         "dflash": ("dflash", None, PolicyOptions(fresh=True)),
         "dspark": ("dspark", None, PolicyOptions(fresh=True)),
         "dflash-fixed": ("dflash", PolicyOptions(adapt=False), PolicyOptions(adapt=False)),
-        "dspark-fixed": ("dspark", PolicyOptions(adapt=False), PolicyOptions(adapt=False))}
+        "dspark-fixed": ("dspark", PolicyOptions(adapt=False), PolicyOptions(adapt=False)),
+        # the gate alone, every drafted slot verified (DSpark's scheduled verify lengths off)
+        "dspark-unscheduled": ("dspark", PolicyOptions(scheduled=False), PolicyOptions(scheduled=False, fresh=True))}
 
 
 def one_run(target, drafts, arms: list[str], prompts: list[list[int]], params: SamplingParams
@@ -94,7 +96,8 @@ def main() -> None:
     result = {"temperature": args.temperature, "prompts": len(prompts), "new_tokens": args.new_tokens,
               "runs": runs, "median_tok_s": median, "drafted_share": shares,
               "vs_ar": {a: median[a] / median["ar"] for a in arms},
-              "vs_fixed": {a: median[a] / median[f"{a}-fixed"] for a in arms if f"{a}-fixed" in median}}
+              "vs_fixed": {a: median[a] / median[f"{ARMS[a][0]}-fixed"] for a in arms
+                           if not a.endswith("-fixed") and f"{ARMS[a][0]}-fixed" in median}}
     print(f"| arm | tok/s (median of {args.runs}) | x AR | x fixed | rounds drafted |\n|---|---|---|---|---|")
     for a in arms:
         fixed = result["vs_fixed"].get(a)
