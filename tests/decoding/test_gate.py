@@ -196,7 +196,7 @@ def test_exploration_waits_are_jittered_and_capped_per_band(band, cap):
     explored = [i for i in range(3000) if gate.decide([band])[0]]
     gaps = [b - a for a, b in zip(explored, explored[1:])]
     late = gaps[8:]                                        # the interval is at its cap by then
-    assert gate.interval[band] == cap * 4
+    assert gate.exploration.interval[band] == cap * 4
     assert all(cap * 2 <= g <= cap * 4 for g in late) and len(set(late)) > 3
     fixed = DraftGate(table, window=4, full_window=True, tuning=GateTuning(explore_every=4, jitter=False))
     fixed.decide([band])

@@ -312,7 +312,7 @@ def test_gate_explores_after_a_run_of_undrafted_rounds():
     for _ in range(40):                        # the text turns easy: every draft survives
         gate.update(torch.ones(1, 3))
     assert all(gate.decide(1)[0] == 1 for _ in range(5))
-    assert gate.interval[0] == 4                 # a win resets the back-off
+    assert gate.exploration.interval[0] == 4     # a win resets the back-off
     with pytest.raises(BlockspecError, match="explore_every"):
         DraftGate(GATE_TABLE, window=3, tuning=GateTuning(explore_every=0))
 

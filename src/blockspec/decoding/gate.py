@@ -106,6 +106,44 @@ class GateTuning:
             raise BlockspecError(f"prior_decay must be in (0, 1], got {self.prior_decay!r}")
 
 
+class ExplorationSchedule:
+    """When each temperature band explores (`DraftGate`'s docstring): rounds since it last
+    measured its exploration block (`skipped`), its current interval (`interval`, doubled
+    by each fruitless exploration up to a cap per band), bands due at once (`due`: rows
+    accepted a whole block), and the jitter of each wait (a generator of its own)."""
+
+    def __init__(self, every: int, *, jitter: bool = True, seed: int = 0) -> None:
+        self.every, self.jitter, self._rng = every, jitter, random.Random(seed)
+        self.skipped: dict[int, int] = {}
+        self.interval: dict[int, int] = {}
+        self.due: set[int] = set()
+
+    def measured(self, band: int) -> None:
+        """The band drafts at least its exploration block this round: nothing to explore."""
+        self.skipped[band], self.interval[band] = 0, self.every
+        self.due.discard(band)
+
+    def tick(self, band: int) -> bool:
+        """Another round without the band's exploration block: whether it explores now."""
+        self.skipped[band] = self.skipped.get(band, 0) + 1
+        interval = self.interval.get(band, self.every)
+        if self.skipped[band] < interval and band not in self.due:
+            return False
+        if band not in self.due:   # a wait ran out: the next one doubles
+            cap = GREEDY_MAX_BACKOFF if band == GREEDY_BAND else MAX_BACKOFF
+            interval = self.interval[band] = min(2 * interval, cap * self.every)
+        # jitter: the next wait starts up to half counted
+        self.skipped[band] = self._rng.randrange(interval // 2 + 1) if self.jitter else 0
+        self.due.discard(band)
+        return True
+
+    def state(self, band: int) -> dict[str, int]:
+        return {"skipped": self.skipped.get(band, 0), "interval": self.interval.get(band, self.every)}
+
+    def load(self, band: int, state: dict[str, Any]) -> None:
+        self.skipped[band], self.interval[band] = int(state["skipped"]), int(state["interval"])
+
+
 class DraftGate:
     """Which running requests draft this round (all, none, the first bands, or a few to
     explore), and how long a block they draft (docs/design.md section 5.4).
@@ -156,20 +194,17 @@ class DraftGate:
         self.prior = tuning.prior_decay ** torch.arange(window, dtype=torch.float64)   # [window] prefix survival
         self.warm_ar_rounds = warm_ar_rounds
         self.table, self.window, self.momentum = table, window, tuning.momentum
-        self.explore_every, self.explore_rows = tuning.explore_every, tuning.explore_rows
-        self.jitter, self._rng = tuning.jitter, random.Random(tuning.seed)
+        self.explore_rows = tuning.explore_rows
+        self.exploration = ExplorationSchedule(tuning.explore_every, jitter=tuning.jitter, seed=tuning.seed)
         self.min_survival = min_survival
         # Block lengths to price: the table's measured ones below the window, and the window.
         self.block_choices = [s for s in table.draft_slot_counts if s < window] + [window]
         self.curves: dict[int, torch.Tensor] = {}   # band -> [window] mean prefix survival
         self._monotone: dict[int, list[float]] = {}   # band -> `curve(band)`, until the curve changes
         self._explore: dict[int, int] = {}            # band -> `explore_block(band)`, until the curve changes
-        self._due: set[int] = set()   # bands whose next exploration is due at once (`update`)
         # Per band and slot: decayed sums of measured survival and of request-rounds.
         self._sums: dict[int, torch.Tensor] = {}
         self._weights: dict[int, torch.Tensor] = {}
-        self.skipped: dict[int, int] = {}           # band -> rounds since it last drafted the full block
-        self.interval: dict[int, int] = {}          # band -> current exploration interval (backs off)
         self._options: dict[Groups, list[Option]] = {}   # until the next update
         self._last: dict[Groups, tuple[int, int]] = {}   # the option chosen last, per batch make-up
         self._groups: dict[tuple[int, ...], Groups] = {}   # band_groups of the bands seen
@@ -268,21 +303,13 @@ class DraftGate:
             drafting = start < k
             explore = self.explore_block(band)
             if drafting and block >= explore:   # its curve is being measured as far as exploring would
-                self.skipped[band], self.interval[band] = 0, self.explore_every
-                self._due.discard(band)
+                self.exploration.measured(band)
                 start += n
                 continue
             # A band drafting a shorter block, or the first band that does not draft:
             # now and then it drafts its exploration block, so the slots it does not
             # draft (or all of them) are measured again.
-            self.skipped[band] = self.skipped.get(band, 0) + 1
-            interval = self.interval.get(band, self.explore_every)
-            if self.skipped[band] >= interval or band in self._due:
-                if band not in self._due:
-                    cap = GREEDY_MAX_BACKOFF if band == GREEDY_BAND else MAX_BACKOFF
-                    interval = self.interval[band] = min(2 * interval, cap * self.explore_every)
-                self.skipped[band] = self._head_start(interval)
-                self._due.discard(band)
+            if self.exploration.tick(band):
                 return (k, max(block, explore)) if drafting else (start + min(n, self.explore_rows), explore)
             if not drafting:
                 break
@@ -301,10 +328,6 @@ class DraftGate:
             want = max(EXPLORE_MIN_SLOTS, reached + 1)
             self._explore[band] = next((s for s in self.block_choices if s >= want), self.window)
         return self._explore[band]
-
-    def _head_start(self, interval: int) -> int:
-        """Rounds the next wait of `interval` rounds starts counted (jitter: up to half)."""
-        return self._rng.randrange(interval // 2 + 1) if self.jitter else 0
 
     def _choose(self, groups: Groups, rows: int) -> tuple[int, int]:
         """The best option (hysteresis: the last one unless another is clearly faster),
@@ -399,9 +422,9 @@ class DraftGate:
             # The interval stays: at temperature 1 a short block is now and then accepted
             # whole, and a reset interval cost five more explorations each time.
             if rows.shape[1] >= block and float(rows[:, block - 1].max()) >= 0.5:
-                self._due.add(band)
+                self.exploration.due.add(band)
             else:
-                self._due.discard(band)
+                self.exploration.due.discard(band)
 
     def _refresh_curve(self, band: int) -> None:
         # The prior weighs `prior_rounds` request-rounds of prefix survival prior_decay ** (j - 1).
@@ -415,7 +438,7 @@ class DraftGate:
         """Plain JSON-able state: each band's survival sums and exploration schedule, and
         (with_costs) the measured / predicted round-time samples."""
         bands = {str(b): {"sums": self._sums[b].tolist(), "weights": self._weights[b].tolist(),
-                          "skipped": self.skipped.get(b, 0), "interval": self.interval.get(b, self.explore_every)}
+                          **self.exploration.state(b)}
                  for b in self._sums}
         ratios = [[list(key), list(samples)] for key, samples in self._samples.items()] if with_costs else []
         return {"bands": bands, "ratios": ratios}
@@ -427,7 +450,7 @@ class DraftGate:
             b = int(name)
             self._sums[b] = torch.tensor(band["sums"], dtype=torch.float64)
             self._weights[b] = torch.tensor(band["weights"], dtype=torch.float64)
-            self.skipped[b], self.interval[b] = int(band["skipped"]), int(band["interval"])
+            self.exploration.load(b, band)
             self._refresh_curve(b)
         if with_costs:
             for key, samples in state["ratios"]:
