@@ -14,20 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from blockspec.decoding.cost_table import cpu_model
+
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results.md"
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """CPU model (with family / model and bf16 units: machines here differ in them), cores, memory."""
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}"
 
 
 def main() -> int:

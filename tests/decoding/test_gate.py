@@ -7,7 +7,8 @@ import torch
 
 from blockspec.config import SamplingParams, temperature_band
 from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.gate import EXPLORE_FLOOR, GREEDY_MAX_BACKOFF, KEY_SAMPLES, MAX_BACKOFF, RECHOOSE_ROUNDS, DraftGate, GateTuning, band_groups
+from blockspec.decoding.gate import EXPLORE_BUDGET, EXPLORE_CREDIT, EXPLORE_FLOOR, GREEDY_MAX_BACKOFF, MAX_BACKOFF, RECHOOSE_ROUNDS, DraftGate, GateTuning, band_groups
+from blockspec.decoding.round_costs import KEY_SAMPLES, PACE_ROUNDS, RATIO_SAMPLES
 from blockspec.errors import BlockspecError
 
 # Drafting a full 3-slot block costs 0.5 s at 1 row and 1.0 s at 4; verify T(n) rises
@@ -72,7 +73,8 @@ def test_hysteresis_keeps_the_last_choice_when_rates_are_close():
 def test_a_band_drafting_a_short_block_still_measures_the_full_window():
     """While a band drafts a shorter block, the slots past it are never measured: now and
     then the band drafts the whole window again, or a lucky early estimate would stick."""
-    table = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 8.0],
+    # (the full window pays if every draft is accepted: else exploring it could win nothing)
+    table = CostTable([1, 4, 64], [1.0, 1.0, 4.0], draft_rows=[1, 16], draft_times_s=[0.5, 1.0],
                       draft_slot_times={1: [0.1, 0.4]}, draft_window=3)
     gate = DraftGate(table, window=3, full_window=True, tuning=GateTuning(explore_every=4, momentum=0.7))
     gate.update(torch.ones(16, 1), 1)                    # slot 1 measured only
@@ -182,6 +184,63 @@ def test_options_are_priced_every_few_rounds_and_at_once_after_a_new_curve():
     assert fresh.decide(1) == (1, 3)
     fresh.update(torch.tensor([[0.0, 0.0, 0.0]]))      # a new curve is priced at once
     assert fresh.decide(1) == (0, 0)
+
+
+def test_a_slow_spell_of_the_machine_does_not_make_drafting_look_cheap():
+    """On a shared CPU the machine's speed swings for seconds at a time, and where drafting
+    seldom pays its rounds are timed at other moments than the AR rounds: each kind is
+    kept relative to the machine's pace when it was timed, so a slow spell raises every
+    price alike (AR rounds timed in one priced AR above drafting rounds timed in a quiet
+    one, and at temperature 1 the engine's gate drafted up to every round)."""
+    table = CostTable([1, 4], [1.0, 1.0], draft_rows=[1], draft_times_s=[1.0])
+    tuning = GateTuning(explore_every=1000, momentum=0.0, prior_rounds=0.0, hysteresis=0.0)
+    gate = DraftGate(table, window=3, full_window=True, tuning=tuning)
+    for _ in range(2 * KEY_SAMPLES):
+        gate.observe(1, 0, 0, 0, seconds=1.0)          # AR rounds as the table says: 1 tok/s
+        gate.observe(1, 1, 3, 3, seconds=3.0)          # drafting rounds 1.5x the table's 2 s
+    gate.update(torch.tensor([[1.0, 0.7, 0.0]]))       # 2.7 tokens in 3 s: 0.9 tok/s
+    assert gate.decide(1) == (0, 0)
+    for _ in range(RATIO_SAMPLES):                     # then the machine runs 1.6x slower
+        gate.observe(1, 0, 0, 0, seconds=1.6)
+    # (the AR kind takes a little of the spell: its ratios are timed against a pace that lags)
+    assert gate.costs.pace == pytest.approx(1.6, rel=0.05) and gate.cost_ratio(False, 1) == pytest.approx(1.6)
+    assert gate.cost_ratio(True, 1, 3) == pytest.approx(2.4, rel=0.05)
+    assert [gate.decide(1) for _ in range(2 * RECHOOSE_ROUNDS)] == [(0, 0)] * (2 * RECHOOSE_ROUNDS)
+    for _ in range(PACE_ROUNDS):                       # quiet again
+        gate.observe(1, 0, 0, 0, seconds=1.0)
+    assert gate.cost_ratio(True, 1, 3) == pytest.approx(1.5, rel=0.05) and gate.decide(1) == (0, 0)
+
+
+def test_exploring_spends_a_budget_scaled_by_what_it_could_win():
+    """At 16 rows on a CPU a greedy exploration took 6 AR rounds' time, and rows accepting a
+    whole block made the band due again at once: explorations took half the wall time.
+    Each now spends credit (EXPLORE_BUDGET per round) by its cost over what it could win
+    at most, and none runs where even every draft accepted would not beat the choice."""
+    def gate_on(verify_64: float) -> DraftGate:   # verify free up to 16 tokens, then dearer per token
+        table = CostTable([1, 16, 64], [1.0, 1.0, verify_64], draft_rows=[1, 16], draft_times_s=[0.2, 0.5])
+        gate = DraftGate(table, window=3, full_window=True, tuning=GateTuning(jitter=False))
+        gate.update(torch.zeros(4, 3))
+        return gate
+
+    def explorations(gate: DraftGate, rounds: int) -> int:
+        count = 0
+        for _ in range(rounds):
+            k, block = gate.decide(16)
+            if k:
+                count += 1   # one row of the 4 accepts its whole block: the band is due again
+                gate.update(torch.tensor([[1.0, 1.0, 1.0]] + [[0.0, 0.0, 0.0]] * (k - 1)))
+        return count
+
+    cannot_win = gate_on(4.0)          # 16 rows drafting 3 slots, all accepted: 64 tokens in 4.5 s < 16 / s
+    assert explorations(cannot_win, 200) == 0 and cannot_win.exploration.interval[0] == GREEDY_MAX_BACKOFF * 8
+    wins_little = gate_on(3.0)          # ... in 3.5 s: 1.14x AR at best
+    cost = wins_little.exploration_cost(((0, 16),), (0, 0), (4, 3), 16)
+    assert cost == pytest.approx((1.76 - 1.0) / (64 / 3.5 / 16 - 1.0), rel=0.01)
+    assert 1 <= explorations(wins_little, 200) <= 1 + (EXPLORE_CREDIT + 200 * EXPLORE_BUDGET) / cost
+    batch_one = DraftGate(CostTable([1, 16, 64], [1.0, 1.0, 3.0], draft_rows=[1, 16], draft_times_s=[1.0, 1.5]),
+                          window=3, full_window=True, tuning=GateTuning(jitter=False))
+    batch_one.update(torch.zeros(1, 3))   # at batch 1 exploring could win 2x: the interval alone paces it
+    assert [i for i in range(200) if batch_one.decide(1)[0]] == [7, 23, 55, 87, 119, 151, 183]   # waits 8, 16, 32...
 
 
 @pytest.mark.parametrize("band, cap", [(0, GREEDY_MAX_BACKOFF), (2, MAX_BACKOFF)])

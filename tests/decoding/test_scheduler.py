@@ -304,8 +304,8 @@ def test_gate_measures_with_few_rows_then_follows_measurements():
 
 def test_gate_explores_after_a_run_of_undrafted_rounds():
     gate = DraftGate(GATE_TABLE, window=3, tuning=GateTuning(explore_every=4, explore_rows=1, jitter=False))
-    gate.update(torch.zeros(1, 3))                 # drafting never pays
-    decisions = [gate.decide(16)[0] for _ in range(4 + 8 + 16)]
+    gate.update(torch.zeros(1, 3))                 # drafting never pays (at 2 rows it would, all accepted)
+    decisions = [gate.decide(2)[0] for _ in range(4 + 8 + 16)]
     explored = [i for i, d in enumerate(decisions) if d]
     assert explored == [3, 11, 27]             # intervals 4, 8, 16: each fruitless exploration backs off
     assert {decisions[i] for i in explored} == {1}   # exploring drafts one row only

@@ -12,7 +12,7 @@ from blockspec.decoding import cost_table, table_cache
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.policy import RoundPolicy
 from blockspec.decoding.round import RoundOutcome
-from blockspec.decoding.table_cache import DRIFT_ROUNDS, PROFILER_VERSION, CostDrift, cached_cost_table, profile_points, table_key
+from blockspec.decoding.table_cache import DRIFT_ROUNDS, DRIFT_SECONDS, PROFILER_VERSION, CostDrift, cached_cost_table, profile_points, table_key
 from blockspec.errors import BlockspecError
 from conftest import make_draft, make_target
 
@@ -141,6 +141,18 @@ def test_the_cpu_model_is_read_from_cpuinfo():
     assert isinstance(name, str) and name and name in cost_table.machine_signature("cpu")
 
 
+ZEN3 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\ncpu family\t: 99\n"
+ZEN5 = "processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx512f avx512_bf16\n"
+
+
+def test_a_virtual_cpu_name_is_told_apart_by_family_model_and_bf16_units():
+    # VMs show both CPUs as "AMD EPYC": one has bf16 units, the other not (times differ ~10x in bf16).
+    assert cost_table.cpu_model(ZEN3) == "AMD EPYC (family 25 model 1)"
+    assert cost_table.cpu_model(ZEN5) == "AMD EPYC (family 26 model 2; avx512_bf16)"
+    assert cost_table.cpu_model("model name\t: Some CPU\n") == "Some CPU"
+    assert cost_table.cpu_model("") and cost_table.cpu_model("") != "AMD EPYC"
+
+
 def test_remeasure_measures_again_with_a_progress_line(fresh, monkeypatch, capsys):
     target = make_target()
     draft = make_draft(target, "zlab", 4)
@@ -164,6 +176,7 @@ def test_remeasure_measures_again_with_a_progress_line(fresh, monkeypatch, capsy
 def test_a_table_that_live_rounds_disprove_is_rescaled_and_written_back(fresh, monkeypatch):
     target = make_target()
     draft = make_draft(target, "zlab", 4)
+    monkeypatch.setattr(table_cache, "DRIFT_SECONDS", 0.0)   # windows of rounds only (tiny tables)
     policy = RoundPolicy.for_method(target, draft, "dflash", PolicyOptions(memory="off"))
     table = policy.gate.table
     before = list(table.times_s)
@@ -185,9 +198,25 @@ def test_a_table_that_live_rounds_disprove_is_rescaled_and_written_back(fresh, m
 def test_a_load_that_comes_and_goes_does_not_rescale_the_table():
     """Busy and quiet windows in turn (other processes starting and stopping): rescaling
     after each flipped the table (and its cached file) by 2x and back every 32 rounds."""
-    drift = CostDrift()
+    drift = CostDrift(seconds=0.0)
     factors = [drift.observe(ratio) for window in range(8) for ratio in [0.5 if window % 2 else 2.0] * DRIFT_ROUNDS]
     assert factors == [None] * len(factors)
     # Slower for good: two windows in a row, rescaled by the one nearer 1.
     steady = [drift.observe(r) for r in [2.5] * DRIFT_ROUNDS + [2.0] * DRIFT_ROUNDS]
     assert steady[-1] == pytest.approx(2.0) and steady[:-1] == [None] * (2 * DRIFT_ROUNDS - 1)
+
+
+def test_a_window_spans_seconds_of_rounds_and_a_loop_of_calls_adds_up(fresh):
+    """Spells of a shared CPU last seconds: windows of 32 fast rounds (a third of a second)
+    rescaled the table 1.9x and back every few seconds. A window needs DRIFT_SECONDS of
+    rounds too, and the policies of one cached table share its check, so short calls
+    (a loop of `generate`) add up to a window."""
+    drift = CostDrift()
+    round_s = DRIFT_SECONDS / (4 * DRIFT_ROUNDS)
+    assert [drift.observe(2.0, round_s) for _ in range(8 * DRIFT_ROUNDS - 1)] == [None] * (8 * DRIFT_ROUNDS - 1)
+    assert drift.observe(2.0, round_s) == pytest.approx(2.0)
+    target = make_target()
+    draft = make_draft(target, "zlab", 4)
+    first, second = (RoundPolicy.for_method(target, draft, "dflash", PolicyOptions(memory="off")) for _ in range(2))
+    assert first.gate.table is second.gate.table and first.drift is second.drift
+    assert CostDrift() is not first.drift

@@ -45,18 +45,35 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo's first "model name", else what `platform` says):
-    two CPUs with as many cores time differently, so cost tables name it."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                name, sep, value = line.partition(":")
-                if sep and name.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
+# Flags of the matrix units that change which precision and shapes run fastest.
+MATRIX_UNIT_FLAGS = ("avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name with its family / model numbers and bf16 matrix units, from
+    /proc/cpuinfo's first processor (else what `platform` says): two CPUs with as many
+    cores time differently, so cost tables name it, and a virtual machine's "AMD EPYC"
+    is the same name for CPUs with and without bf16 units."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip() and fields:   # the first processor's block ends
+            break
+        name, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(name.strip(), value.strip())
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or platform.machine() or "unknown cpu"
+    units = [f for f in MATRIX_UNIT_FLAGS if f in fields.get("flags", "").split()]
+    detail = [f"family {fields['cpu family']} model {fields['model']}"] if "cpu family" in fields and "model" in fields else []
+    detail += units
+    return f"{name} ({'; '.join(detail)})" if detail else name
 
 
 def machine_signature(device: torch.device | str) -> str:

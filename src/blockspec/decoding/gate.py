@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import heapq
 import random
-import statistics
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +19,7 @@ import torch
 
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.planner import admit
+from blockspec.decoding.round_costs import RoundCosts
 from blockspec.errors import BlockspecError
 
 Groups = tuple[tuple[int, int], ...]   # (band, rows) runs in row order
@@ -41,18 +40,18 @@ GREEDY_BAND = 0   # `config.temperature_band` of greedy rows
 # reached whole once the text repeats).
 EXPLORE_FLOOR = 0.05
 EXPLORE_MIN_SLOTS = 2
-# Each measured / predicted round-time ratio is the median of this many latest samples:
-# enough that a few slow rounds (another process, a page fault) do not tip a decision.
-RATIO_SAMPLES = 64
+# Explorations spend credit that every round adds EXPLORE_BUDGET of (up to EXPLORE_CREDIT):
+# an exploration costs the rounds it takes beyond the round chosen, divided by what it could
+# win at most (the explored rows accepting every draft; below 1x, as where drafting rarely
+# pays), so it takes at most a tenth of the time where it could win a lot (the greedy band
+# at batch 1) and much less where it could win little: at 16 rows, half of them greedy, on a
+# CPU, each greedy exploration took 6 AR rounds' time, and they took half of the wall time.
+EXPLORE_BUDGET = 0.1
+EXPLORE_CREDIT = 4.0
 # The best option is priced again after this many rounds (or at once when a curve or the
 # table changed): new round times move a median of 64 samples only slowly, and pricing
 # every option every round cost ~1% of a batch-1 AR round on a CPU.
 RECHOOSE_ROUNDS = 8
-
-# A kind of round by rows (and block) is priced by its own ratio once this many of its rounds
-# were timed, before that by its kind's: a block length drafted once in a quiet (or a busy)
-# spell would otherwise look cheap (or dear) on one sample and be chosen (or never tried) for good.
-KEY_SAMPLES = 4
 
 
 @dataclass(frozen=True)
@@ -110,13 +109,15 @@ class ExplorationSchedule:
     """When each temperature band explores (`DraftGate`'s docstring): rounds since it last
     measured its exploration block (`skipped`), its current interval (`interval`, doubled
     by each fruitless exploration up to a cap per band), bands due at once (`due`: rows
-    accepted a whole block), and the jitter of each wait (a generator of its own)."""
+    accepted a whole block), the jitter of each wait (a generator of its own) and the
+    credit explorations spend (EXPLORE_BUDGET per round, up to EXPLORE_CREDIT)."""
 
     def __init__(self, every: int, *, jitter: bool = True, seed: int = 0) -> None:
         self.every, self.jitter, self._rng = every, jitter, random.Random(seed)
         self.skipped: dict[int, int] = {}
         self.interval: dict[int, int] = {}
         self.due: set[int] = set()
+        self.credit = EXPLORE_CREDIT
 
     def measured(self, band: int) -> None:
         """The band drafts at least its exploration block this round: nothing to explore."""
@@ -124,18 +125,26 @@ class ExplorationSchedule:
         self.due.discard(band)
 
     def tick(self, band: int) -> bool:
-        """Another round without the band's exploration block: whether it explores now."""
+        """Another round without the band's exploration block: whether it is to explore
+        (its wait ran out, or it is due) and there is credit for it."""
         self.skipped[band] = self.skipped.get(band, 0) + 1
+        waited = self.skipped[band] >= self.interval.get(band, self.every) or band in self.due
+        return waited and self.credit >= 0.0
+
+    def explored(self, band: int, cost: float) -> None:
+        """The band explores now (or was found not worth exploring, at cost 0): a wait that ran
+        out doubles the next, which starts up to half counted (jitter)."""
         interval = self.interval.get(band, self.every)
-        if self.skipped[band] < interval and band not in self.due:
-            return False
-        if band not in self.due:   # a wait ran out: the next one doubles
+        if band not in self.due:
             cap = GREEDY_MAX_BACKOFF if band == GREEDY_BAND else MAX_BACKOFF
             interval = self.interval[band] = min(2 * interval, cap * self.every)
-        # jitter: the next wait starts up to half counted
         self.skipped[band] = self._rng.randrange(interval // 2 + 1) if self.jitter else 0
         self.due.discard(band)
-        return True
+        self.credit -= cost
+
+    def refill(self) -> None:
+        """A round passed."""
+        self.credit = min(EXPLORE_CREDIT, self.credit + EXPLORE_BUDGET)
 
     def state(self, band: int) -> dict[str, int]:
         return {"skipped": self.skipped.get(band, 0), "interval": self.interval.get(band, self.every)}
@@ -175,9 +184,9 @@ class DraftGate:
 
     The table prices forward passes only, profiled apart from the decoding loop;
     `observe` feeds back each finished round's wall time (bookkeeping, sampling and
-    context upkeep included) and each option's price is scaled by the median ratio
-    measured / predicted of its kind of round (AR by rows; drafting by drafting rows
-    and block length). warm_ar_rounds (with times fed back): AR rounds run before
+    context upkeep included) and each option's price is scaled by what its kind of
+    round (AR by rows; drafting by drafting rows and block length) measured against
+    the table, relative to the machine's pace (`round_costs.RoundCosts`). warm_ar_rounds (with times fed back): AR rounds run before
     the first decision, so AR is priced by measurement, not by the table alone.
 
     Decisions use only past rounds, never the current round's draws, and undrafted
@@ -209,31 +218,12 @@ class DraftGate:
         self._last: dict[Groups, tuple[int, int]] = {}   # the option chosen last, per batch make-up
         self._groups: dict[tuple[int, ...], Groups] = {}   # band_groups of the bands seen
         self._age: dict[Groups, int] = {}   # rounds since that choice was priced (RECHOOSE_ROUNDS)
-        # Measured / predicted round time: by (drafting,), (drafting, rows) and (True, rows, block).
-        self._ratio: dict[tuple, float] = {}
-        self._samples: dict[tuple, deque[float]] = {}   # the latest samples behind each ratio
-        self._stale: set[tuple] = set()                 # keys with samples newer than their ratio
+        self.costs = RoundCosts()   # measured / predicted round times by kind of round
 
     # -- pricing --------------------------------------------------------------------
     def cost_ratio(self, drafting: bool, rows: int, block: int | None = None) -> float:
-        """Measured / table round time for this kind of round: by drafting rows (or rows)
-        and block, else by rows (each once KEY_SAMPLES of its rounds were timed), else by
-        kind (1.0 before any measurement)."""
-        for key in ((drafting, rows, block), (drafting, rows)):
-            if len(self._samples.get(key, ())) >= KEY_SAMPLES:
-                return self._ratio_of(key)
-        for key in ((drafting,), (not drafting,)):
-            if key in self._samples:
-                return self._ratio_of(key)
-        return 1.0
-
-    def _ratio_of(self, key: tuple) -> float:
-        """The median of key's samples, computed when it is asked for (rounds add samples
-        every round; options are priced every RECHOOSE_ROUNDS)."""
-        if key in self._stale:
-            self._ratio[key] = statistics.median(self._samples[key])
-            self._stale.discard(key)
-        return self._ratio[key]
+        """Measured / table round time for this kind of round (`RoundCosts.ratio`)."""
+        return self.costs.ratio(drafting, rows, block)
 
     def rate(self, option: Option, rows: int) -> float:
         """Expected tokens per second of `option` for a batch of `rows` rows."""
@@ -294,10 +284,11 @@ class DraftGate:
             if band not in self.curves:   # measure it first
                 return start + min(n, self.explore_rows), self.window
             start += n
-        if len(self._samples.get((False,), ())) < self.warm_ar_rounds:   # price AR rounds before trusting the table
+        if self.costs.count((False,)) < self.warm_ar_rounds:   # price AR rounds before trusting the table
             return 0, 0
         choice = self._choose(groups, rows)
         k, block = choice
+        self.exploration.refill()
         start = 0
         for band, n in groups:
             drafting = start < k
@@ -310,11 +301,39 @@ class DraftGate:
             # now and then it drafts its exploration block, so the slots it does not
             # draft (or all of them) are measured again.
             if self.exploration.tick(band):
-                return (k, max(block, explore)) if drafting else (start + min(n, self.explore_rows), explore)
+                trial = (k, max(block, explore)) if drafting else (start + min(n, self.explore_rows), explore)
+                cost = self.exploration_cost(groups, choice, trial, start + n)
+                self.exploration.explored(band, 0.0 if cost is None else cost)
+                if cost is not None:
+                    return trial
             if not drafting:
                 break
             start += n
         return choice
+
+    def exploration_cost(self, groups: Groups, choice: tuple[int, int], trial: tuple[int, int],
+                         prefix: int) -> float | None:
+        """What exploring `trial` (k rows drafting a block) instead of `choice` costs, in credit:
+        the rounds of `choice` its time exceeds them by, over the most it could win, at best 1x
+        (the trial rows, or the bands up to `prefix` rows, drafting `trial`'s block with every
+        draft accepted, against `choice`'s expected rate); None where even that would not beat
+        `choice`: exploring could not change what is chosen."""
+        rows = sum(n for _, n in groups)
+        chosen = next(o for o in self.options(groups) if (o.rows, o.block) == choice)
+        chosen_s = chosen.table_s * self.cost_ratio(chosen.rows > 0, chosen.rows or rows,
+                                                    chosen.block if chosen.rows else None)
+
+        def full_acceptance(k: int, block: int) -> tuple[float, float]:   # (tokens/s, round seconds)
+            seconds = ((self.table.draft_time(k, block=block) + self.table.time(rows + k * block))
+                       * self.cost_ratio(True, k, block))
+            return (rows + k * block) / seconds, seconds
+
+        trial_rate, trial_s = full_acceptance(*trial)
+        best = max(trial_rate, full_acceptance(prefix, trial[1])[0])
+        gain = best * chosen_s / chosen.tokens - 1.0
+        if gain <= 0.0:
+            return None
+        return max(0.0, trial_s / chosen_s - 1.0) / min(1.0, gain)
 
     def explore_block(self, band: int) -> int:
         """The block a band's exploration drafts: the full window for the greedy band (and
@@ -355,41 +374,19 @@ class DraftGate:
         predicted = self.table.time(rows + verified_drafts)
         ratio_sample = seconds / max(predicted + (self.table.draft_time(drafting_rows, block=block)
                                                   if drafting_rows else 0.0), 1e-9)
-        if cold:
-            return ratio_sample
-        if drafting_rows:
-            # By drafting rows (exploration rounds of a few rows do not stand in for rounds
-            # where everyone drafts), and by block length too: their overheads differ.
-            self._learn((True, drafting_rows), ratio_sample)
-            self._learn((True, drafting_rows, block), ratio_sample)
-        else:
-            self._learn((False, rows), ratio_sample)
+        if not cold:
+            self.costs.learn(drafting_rows > 0, drafting_rows or rows, block, ratio_sample)
         return ratio_sample
 
     def rescale(self, factor: float) -> None:
-        """The table was rescaled by `factor` (`CostTable.rescale`): every measured / predicted
-        ratio learned against the old table is divided by it, so prices stay as measured."""
+        """The table was rescaled by `factor` (`CostTable.rescale`): prices stay as measured."""
         self._forget_prices()
-        for key, samples in self._samples.items():
-            self._samples[key] = deque((x / factor for x in samples), maxlen=RATIO_SAMPLES)
-            self._stale.add(key)
+        self.costs.rescale(factor)
 
     def _forget_prices(self) -> None:
         """Curves or costs changed: options are priced (and chosen) again."""
         self._options.clear()
         self._age.clear()
-
-    def _learn(self, key: tuple, sample: float) -> None:
-        """Record a measured / predicted sample: each ratio is the median of the last
-        RATIO_SAMPLES samples of its key (and of its kind), robust to the odd round a
-        descheduled thread or a cold cache made slow: one outlier must not price a
-        kind of round out for good, as the gate may never run it again."""
-        for k in (key, (key[0],)) if len(key) == 2 else (key,):
-            samples = self._samples.get(k)
-            if samples is None:
-                samples = self._samples[k] = deque(maxlen=RATIO_SAMPLES)
-            samples.append(sample)
-            self._stale.add(k)
 
     def update(self, survival: torch.Tensor, block: int | None = None, bands: Sequence[int] | None = None) -> None:
         """Record a drafting round's prefix survival [k, g'] over a block of `block`
@@ -440,7 +437,7 @@ class DraftGate:
         bands = {str(b): {"sums": self._sums[b].tolist(), "weights": self._weights[b].tolist(),
                           **self.exploration.state(b)}
                  for b in self._sums}
-        ratios = [[list(key), list(samples)] for key, samples in self._samples.items()] if with_costs else []
+        ratios = self.costs.state() if with_costs else []
         return {"bands": bands, "ratios": ratios}
 
     def load_state(self, state: dict[str, Any], with_costs: bool = True) -> None:
@@ -453,6 +450,4 @@ class DraftGate:
             self.exploration.load(b, band)
             self._refresh_curve(b)
         if with_costs:
-            for key, samples in state["ratios"]:
-                self._samples[tuple(key)] = deque(samples, maxlen=RATIO_SAMPLES)
-                self._stale.add(tuple(key))
+            self.costs.load(state["ratios"])

@@ -28,7 +28,7 @@ from blockspec.decoding.gate import DraftGate
 from blockspec.decoding.planner import plan
 from blockspec.decoding.round import ConfidenceMap, Proposal, RoundOutcome
 from blockspec.decoding.policy_memory import MEMORY_MODES, PolicyMemory, table_signature
-from blockspec.decoding.table_cache import CostDrift, cached_cost_table, table_rows, write_back
+from blockspec.decoding.table_cache import CostDrift, cached_cost_table, drift_of, table_rows, write_back
 from blockspec.errors import BlockspecError
 from blockspec.models.chain_draft import AnyDraft
 from blockspec.models.target import TargetModel
@@ -167,7 +167,7 @@ class RoundPolicy:
         self.calibrations: dict[int, ConfidenceCalibration] = {}   # by temperature band
         self._bands: list[int] = []   # the bands of the rows of the round in progress
         self.memory: PolicyMemory | None = None   # where `remember` keeps what it learned
-        self.drift = CostDrift()
+        self.drift = drift_of(table) if table is not None else CostDrift()
         self._timed: set[bool] = set()   # kinds of round (drafting or not) timed so far
 
     @classmethod
@@ -322,7 +322,7 @@ class RoundPolicy:
             self._timed.add(kind)
             ratio = self.gate.observe(rows, outcome.drafting_rows, outcome.block, sum(outcome.verified), seconds,
                                       cold=cold)
-            factor = None if cold else self.drift.observe(ratio)
+            factor = None if cold else self.drift.observe(ratio, seconds)
             if factor is not None:
                 log.warning("blockspec: live rounds take %.2fx the cost table's times; rescaling the table "
                             "(and its cached copy)", factor)

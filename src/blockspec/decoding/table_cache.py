@@ -206,36 +206,61 @@ def save_json(data: dict, path: Path, what: str) -> None:
 
 # Live rounds correct a table that is off by more than this (measured / predicted, median)...
 DRIFT_BAND = (0.67, 1.5)
-# ...over at least this many rounds.
+# ...over windows of at least this many rounds and this many seconds of them, two in a row:
+# a shared CPU runs for seconds at 0.6x-1.6x its median speed (windows of 32 rounds alone,
+# a third of a second at batch 1, rescaled the table 1.9x and back every few seconds).
 DRIFT_ROUNDS = 32
+DRIFT_SECONDS = 5.0
 
 
 class CostDrift:
     """Whether a table still prices this machine: the median measured / predicted round
-    time over each DRIFT_ROUNDS rounds (every kind of round). When two windows in a row
-    fall outside DRIFT_BAND on the same side (a table measured while the machine was
-    busy, or a machine now busier for good), the table is rescaled (`CostTable.rescale`,
-    then `write_back`) by the factor of the two nearer 1, never a silently wrong table
-    reused for good. A load that comes and goes (busy, then quiet) leaves it alone: the
-    rescaled table would be wrong in the next window and the cached file would flip with
-    it. The gate's own per-kind ratios keep pricing rounds in between
-    (`gate.DraftGate.cost_ratio`)."""
+    time over each window of DRIFT_ROUNDS rounds and DRIFT_SECONDS seconds (every kind of
+    round). When two windows in a row fall outside DRIFT_BAND on the same side (a table
+    measured while the machine was busy, or a machine now busier for good), the table
+    is rescaled (`CostTable.rescale`, then `write_back`) by the factor of the two nearer
+    1, never a silently wrong table reused for good. A load that comes and goes (busy,
+    then quiet) leaves it alone: the rescaled table would be wrong in the next window
+    and the cached file would flip with it. The gate's own per-kind ratios and the
+    machine's pace keep pricing rounds in between (`round_costs.RoundCosts`). One check
+    per cached table in a process (`drift_of`), so a loop of short calls adds up to
+    the windows one call is too short for."""
 
-    def __init__(self, rounds: int = DRIFT_ROUNDS, band: tuple[float, float] = DRIFT_BAND) -> None:
+    def __init__(self, rounds: int = DRIFT_ROUNDS, band: tuple[float, float] = DRIFT_BAND,
+                 seconds: float | None = None) -> None:
         self.rounds, self.band = rounds, band
+        self.seconds = DRIFT_SECONDS if seconds is None else seconds
         self.samples: list[float] = []
+        self.elapsed = 0.0                   # seconds of the window's rounds
         self.previous: float | None = None   # the last window's median, when it was outside the band
 
-    def observe(self, ratio: float) -> float | None:
-        """One round's measured / predicted time; the factor to rescale by, when it is due."""
+    def observe(self, ratio: float, seconds: float = 0.0) -> float | None:
+        """One round's measured / predicted time (and wall time); the factor to rescale by,
+        when it is due."""
         self.samples.append(ratio)
-        if len(self.samples) < self.rounds:
+        self.elapsed += seconds
+        if len(self.samples) < self.rounds or self.elapsed < self.seconds:
             return None
         median = statistics.median(self.samples)
         self.samples.clear()
+        self.elapsed = 0.0
         low, high = self.band
         previous, self.previous = self.previous, (None if low <= median <= high else median)
         if self.previous is None or previous is None or (median > high) != (previous > high):
             return None
         self.previous = None   # the next rescale needs two fresh windows
         return min(median, previous) if median > high else max(median, previous)
+
+
+_DRIFTS: dict[int, tuple[CostTable, CostDrift]] = {}   # id of a cached table -> (it, its check)
+
+
+def drift_of(table: CostTable) -> CostDrift:
+    """The drift check of `table`: shared by every policy of a table from the cache (they
+    live for the process), its own for any other table."""
+    if not any(t is table for t in _MEMO.values()):
+        return CostDrift()
+    entry = _DRIFTS.get(id(table))
+    if entry is None or entry[0] is not table:
+        entry = _DRIFTS[id(table)] = (table, CostDrift())
+    return entry[1]
