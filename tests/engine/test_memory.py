@@ -88,6 +88,23 @@ def test_with_a_draft_the_slot_holds_its_cache_too():
     assert allocated + plan.slots * shapes.pending_bytes == plan.total_bytes   # + the lazily made buffer
 
 
+def test_an_ar_stretch_trims_its_buffered_context_rarely():
+    """A gated engine's AR rounds buffer each row's feature; a full buffer keeps its latest
+    `keep` (PendingContext). With room for two blocks (34 positions at block 16) it was
+    trimmed every other AR round, ~1% of a batch-1 round on a CPU."""
+    model = meta_target(QWEN3_8B)
+    draft_cfg = DraftConfig(layout="zlab", block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33],
+                            num_target_layers=36, hidden_size=4096, intermediate_size=12288, num_hidden_layers=5,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    with torch.device("meta"):
+        draft = DraftModel(draft_cfg).to(torch.bfloat16)
+    pool = SlotPool(model, draft, plan_kv(KVShapes.of(QWEN3_8B, torch.bfloat16, draft_cfg, torch.bfloat16),
+                                          60 * GIB, 4))
+    pending = pool.pending
+    rounds_between_trims = pending.capacity - pending.window - pending.keep
+    assert rounds_between_trims >= draft_cfg.block_size   # was 2
+
+
 def test_max_model_len_is_capped_to_what_fits():
     model = meta_target(LLAMA31_8B)
     plan, budget, _ = gpu_plan(model, 24)   # 0.9 x 24 - 15 - 1 GiB: ~5.6 GiB of KV, a third of one full slot

@@ -179,6 +179,8 @@ class DraftGate:
     jittered (`GateTuning.jitter`). A band whose rows accepted a whole block explores
     again at once: acceptance changes within a request (greedy text turning repetitive
     after a novel start), and a backed-off interval of 128 rounds is a whole request.
+    Each exploration spends credit by its cost over what it could win at most
+    (`exploration_cost`, EXPLORE_BUDGET), and none runs where it could not win.
     Hysteresis: the option chosen last keeps winning unless another is expected to
     be `hysteresis` faster, so equal loads do not flap between AR and drafting.
 
@@ -186,8 +188,9 @@ class DraftGate:
     `observe` feeds back each finished round's wall time (bookkeeping, sampling and
     context upkeep included) and each option's price is scaled by what its kind of
     round (AR by rows; drafting by drafting rows and block length) measured against
-    the table, relative to the machine's pace (`round_costs.RoundCosts`). warm_ar_rounds (with times fed back): AR rounds run before
-    the first decision, so AR is priced by measurement, not by the table alone.
+    the table, relative to the machine's pace (`round_costs.RoundCosts`).
+    warm_ar_rounds (with times fed back): AR rounds run before the first decision,
+    so AR is priced by measurement, not by the table alone.
 
     Decisions use only past rounds, never the current round's draws, and undrafted
     rows are lossless AR steps, so the output distribution is unchanged.
