@@ -197,9 +197,13 @@ def cmd_profile(args: argparse.Namespace) -> None:
                                  "pair: give --draft DIR (or --draft embedded)")
         # Every row count cached for this machine and pair (a server's too), else one row.
         rows = sorted({int(key["rows"]) for key in cached_keys() if key == table_key(target, draft, int(key["rows"]))})
-        tables = {r: cached_cost_table(target, draft, r, refresh=True) for r in rows or [1]}
+        tables, seconds = {}, {}
+        for r in rows or [1]:
+            t0 = time.perf_counter()
+            tables[r] = cached_cost_table(target, draft, r, refresh=True)
+            seconds[r] = round(time.perf_counter() - t0, 2)
         print(json.dumps({"refreshed": [str(table_path(t.meta["key"])) for t in tables.values()],
-                          "rows": list(tables)}))
+                          "rows": list(tables), "seconds": seconds}))
         return
     draft_rows = [int(x) for x in args.draft_rows.split(",")] if args.draft_rows else None
     options = ProfileOptions(repeats=args.repeats, rows=args.rows, context=args.context)

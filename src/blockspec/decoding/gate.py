@@ -153,6 +153,60 @@ class ExplorationSchedule:
         self.skipped[band], self.interval[band] = int(state["skipped"]), int(state["interval"])
 
 
+class SurvivalCurves:
+    """Each temperature band's prefix-survival curve (`DraftGate`'s docstring): per slot,
+    decayed sums of measured survival and of request-rounds (each request-round weighs
+    momentum ** (1 / per_rows) less per later one), next to a prior worth `prior_rounds`
+    request-rounds of prefix survival prior_decay ** (j - 1) at slot j."""
+
+    def __init__(self, window: int, tuning: GateTuning) -> None:
+        self.window, self.momentum, self.per_rows = window, tuning.momentum, tuning.explore_rows
+        self.prior_rounds = tuning.prior_rounds
+        self.prior = tuning.prior_decay ** torch.arange(window, dtype=torch.float64)   # [window]
+        self.means: dict[int, torch.Tensor] = {}      # band -> [window] mean prefix survival
+        self._monotone: dict[int, list[float]] = {}   # band -> `curve(band)`, until it changes
+        self._sums: dict[int, torch.Tensor] = {}
+        self._weights: dict[int, torch.Tensor] = {}
+
+    def curve(self, band: int) -> list[float]:
+        """The band's curve as the planner sees it: slots measured in different rounds are
+        made a prefix survival again (never rising); unmeasured: all ones."""
+        mean = self.means.get(band)
+        if mean is None:
+            return [1.0] * self.window
+        if band not in self._monotone:
+            self._monotone[band] = torch.cummin(mean, 0).values.tolist()
+        return self._monotone[band]
+
+    def add(self, band: int, rows: torch.Tensor, block: int) -> None:
+        """The band's rows' measured prefix survival [n, g'] (float64) over a block of
+        `block` >= g' slots (slots g'.. count as 0; slots past the block keep their estimate)."""
+        n = rows.shape[0]
+        total = torch.zeros(block, dtype=torch.float64)
+        total[:min(block, rows.shape[1])] = rows.sum(0)[:block]
+        if band not in self._sums:
+            self._sums[band] = torch.zeros(self.window, dtype=torch.float64)
+            self._weights[band] = torch.zeros(self.window, dtype=torch.float64)
+        decay = self.momentum ** (n / self.per_rows)
+        sums, weights = self._sums[band], self._weights[band]
+        sums[:block] = decay * sums[:block] + total
+        weights[:block] = decay * weights[:block] + n
+        self._refresh(band)
+
+    def _refresh(self, band: int) -> None:
+        self._monotone.pop(band, None)
+        self.means[band] = ((self.prior_rounds * self.prior + self._sums[band])
+                            / (self.prior_rounds + self._weights[band]))
+
+    def state(self, band: int) -> dict[str, list[float]]:
+        return {"sums": self._sums[band].tolist(), "weights": self._weights[band].tolist()}
+
+    def load(self, band: int, state: dict[str, Any]) -> None:
+        self._sums[band] = torch.tensor(state["sums"], dtype=torch.float64)
+        self._weights[band] = torch.tensor(state["weights"], dtype=torch.float64)
+        self._refresh(band)
+
+
 class DraftGate:
     """Which running requests draft this round (all, none, the first bands, or a few to
     explore), and how long a block they draft (docs/design.md section 5.4).
@@ -202,21 +256,16 @@ class DraftGate:
         if window < 1:
             raise BlockspecError("the draft window must be >= 1")
         tuning = tuning or GateTuning()
-        self.full_window, self.hysteresis, self.prior_rounds = full_window, tuning.hysteresis, tuning.prior_rounds
-        self.prior = tuning.prior_decay ** torch.arange(window, dtype=torch.float64)   # [window] prefix survival
+        self.full_window, self.hysteresis = full_window, tuning.hysteresis
         self.warm_ar_rounds = warm_ar_rounds
-        self.table, self.window, self.momentum = table, window, tuning.momentum
+        self.table, self.window = table, window
         self.explore_rows = tuning.explore_rows
+        self.survival = SurvivalCurves(window, tuning)
         self.exploration = ExplorationSchedule(tuning.explore_every, jitter=tuning.jitter, seed=tuning.seed)
         self.min_survival = min_survival
         # Block lengths to price: the table's measured ones below the window, and the window.
         self.block_choices = [s for s in table.draft_slot_counts if s < window] + [window]
-        self.curves: dict[int, torch.Tensor] = {}   # band -> [window] mean prefix survival
-        self._monotone: dict[int, list[float]] = {}   # band -> `curve(band)`, until the curve changes
         self._explore: dict[int, int] = {}            # band -> `explore_block(band)`, until the curve changes
-        # Per band and slot: decayed sums of measured survival and of request-rounds.
-        self._sums: dict[int, torch.Tensor] = {}
-        self._weights: dict[int, torch.Tensor] = {}
         self._options: dict[Groups, list[Option]] = {}   # until the next update
         self._last: dict[Groups, tuple[int, int]] = {}   # the option chosen last, per batch make-up
         self._groups: dict[tuple[int, ...], Groups] = {}   # band_groups of the bands seen
@@ -234,15 +283,14 @@ class DraftGate:
         ratio = self.cost_ratio(drafting, option.rows if drafting else rows, option.block if drafting else None)
         return option.tokens / (option.table_s * ratio)
 
+    @property
+    def curves(self) -> dict[int, torch.Tensor]:
+        """band -> [window] mean prefix survival, for the bands measured so far."""
+        return self.survival.means
+
     def curve(self, band: int) -> list[float]:
-        """The band's survival curve as the planner sees it: slots measured in different
-        rounds are made a prefix survival again (never rising); unmeasured: all ones."""
-        curve = self.curves.get(band)
-        if curve is None:
-            return [1.0] * self.window
-        if band not in self._monotone:
-            self._monotone[band] = torch.cummin(curve, 0).values.tolist()
-        return self._monotone[band]
+        """The band's survival curve as the planner sees it (`SurvivalCurves.curve`)."""
+        return self.survival.curve(band)
 
     def options(self, groups: Groups) -> list[Option]:
         """AR first, then every (first b bands draft, block length) option, priced by the
@@ -405,17 +453,8 @@ class DraftGate:
         band_of = torch.tensor(list(bands[:k]) if bands is not None else [0] * k)
         for band in band_of.unique().tolist():
             rows = survival[band_of == band]
-            n = rows.shape[0]
-            total = torch.zeros(block, dtype=torch.float64)
-            total[:min(block, rows.shape[1])] = rows.sum(0)[:block]
-            if band not in self._sums:
-                self._sums[band] = torch.zeros(self.window, dtype=torch.float64)
-                self._weights[band] = torch.zeros(self.window, dtype=torch.float64)
-            decay = self.momentum ** (n / self.explore_rows)
-            sums, weights = self._sums[band], self._weights[band]
-            sums[:block] = decay * sums[:block] + total
-            weights[:block] = decay * weights[:block] + n
-            self._refresh_curve(band)
+            self.survival.add(band, rows, block)
+            self._explore.pop(band, None)
             # A row that accepted its whole block (greedy text that turned repetitive,
             # after a start where the draft missed) explores again next round instead of
             # after a backed-off interval (up to 128 rounds: a whole request at batch 1).
@@ -426,20 +465,11 @@ class DraftGate:
             else:
                 self.exploration.due.discard(band)
 
-    def _refresh_curve(self, band: int) -> None:
-        # The prior weighs `prior_rounds` request-rounds of prefix survival prior_decay ** (j - 1).
-        self._monotone.pop(band, None)
-        self._explore.pop(band, None)
-        self.curves[band] = ((self.prior_rounds * self.prior + self._sums[band])
-                             / (self.prior_rounds + self._weights[band]))
-
     # -- what it learned, kept across calls (decoding/policy_memory.py) ---------------
     def state(self, with_costs: bool = True) -> dict[str, Any]:
         """Plain JSON-able state: each band's survival sums and exploration schedule, and
         (with_costs) the measured / predicted round-time samples."""
-        bands = {str(b): {"sums": self._sums[b].tolist(), "weights": self._weights[b].tolist(),
-                          **self.exploration.state(b)}
-                 for b in self._sums}
+        bands = {str(b): {**self.survival.state(b), **self.exploration.state(b)} for b in self.curves}
         ratios = self.costs.state() if with_costs else []
         return {"bands": bands, "ratios": ratios}
 
@@ -447,10 +477,8 @@ class DraftGate:
         """Take what `state` learned (a checked `state()`; with_costs: its round-time samples too)."""
         self._forget_prices()
         for name, band in state["bands"].items():
-            b = int(name)
-            self._sums[b] = torch.tensor(band["sums"], dtype=torch.float64)
-            self._weights[b] = torch.tensor(band["weights"], dtype=torch.float64)
-            self.exploration.load(b, band)
-            self._refresh_curve(b)
+            self.survival.load(int(name), band)
+            self._explore.pop(int(name), None)
+            self.exploration.load(int(name), band)
         if with_costs:
             self.costs.load(state["ratios"])

@@ -30,6 +30,10 @@ KEY_SAMPLES = 4
 # The pace is the median over this many latest rounds: a few tens of milliseconds at batch 1
 # on a CPU, shorter than the machine's spells, long enough that one slow round does not move it.
 PACE_ROUNDS = 16
+# Medians are computed again after this many new samples (or when first asked for), not
+# every round: options are priced every few rounds, and a median per round was a third of
+# the policy's upkeep in an AR stretch (~1% of a batch-1 CPU round).
+REMEDIAN_SAMPLES = 4
 
 Key = tuple   # (False, rows) | (True, drafting rows) | (True, drafting rows, block) | (kind,)
 
@@ -42,8 +46,10 @@ class RoundCosts:
     def __init__(self) -> None:
         self._samples: dict[Key, deque[float]] = {}   # relative ratios, the latest of each key
         self._median: dict[Key, float] = {}
-        self._stale: set[Key] = set()                  # keys with samples newer than their median
+        self._newer: dict[Key, int] = {}               # samples added since the key's median
         self._pace: deque[float] = deque(maxlen=PACE_ROUNDS)
+        self._pace_median = 1.0
+        self._pace_newer = 0
 
     def count(self, key: Key) -> int:
         return len(self._samples.get(key, ()))
@@ -51,7 +57,10 @@ class RoundCosts:
     @property
     def pace(self) -> float:
         """The machine's speed now against when the kinds were measured (1: as then)."""
-        return statistics.median(self._pace) if self._pace else 1.0
+        if self._pace_newer >= REMEDIAN_SAMPLES or (self._pace_newer and len(self._pace) < PACE_ROUNDS):
+            self._pace_median = statistics.median(self._pace)
+            self._pace_newer = 0
+        return self._pace_median
 
     def ratio(self, drafting: bool, rows: int, block: int | None = None) -> float:
         """Measured / table round time of this kind of round now: its relative ratio by
@@ -70,6 +79,7 @@ class RoundCosts:
         own: Key = (True, rows, block) if drafting else (False, rows)
         if self.count(own) >= KEY_SAMPLES:   # a kind measured well enough shows the pace
             self._pace.append(sample / self._relative(own))
+            self._pace_newer += 1
         relative = sample / self.pace
         # By drafting rows (exploration rounds of a few rows do not stand in for rounds
         # where everyone drafts), and by block length too: their overheads differ.
@@ -78,21 +88,22 @@ class RoundCosts:
             if samples is None:
                 samples = self._samples[key] = deque(maxlen=RATIO_SAMPLES)
             samples.append(relative)
-            self._stale.add(key)
+            self._newer[key] = self._newer.get(key, 0) + 1
 
     def rescale(self, factor: float) -> None:
         """The table was rescaled by `factor`: every ratio learned against the old one is
         divided by it, so prices stay as measured."""
         for key, samples in self._samples.items():
             self._samples[key] = deque((x / factor for x in samples), maxlen=RATIO_SAMPLES)
-            self._stale.add(key)
+            self._median.pop(key, None)
 
     def _relative(self, key: Key) -> float:
-        """The median of key's samples, computed when asked for (rounds add samples every
-        round; options are priced every few rounds)."""
-        if key in self._stale:
+        """The median of key's samples, computed when first asked for and again once
+        REMEDIAN_SAMPLES samples were added (or while it has fewer than RATIO_SAMPLES / 4)."""
+        newer = self._newer.get(key, 0)
+        if key not in self._median or newer >= REMEDIAN_SAMPLES or (newer and self.count(key) < RATIO_SAMPLES // 4):
             self._median[key] = statistics.median(self._samples[key])
-            self._stale.discard(key)
+            self._newer[key] = 0
         return self._median[key]
 
     def state(self) -> list[list[Any]]:
@@ -101,4 +112,4 @@ class RoundCosts:
     def load(self, ratios: list[list[Any]]) -> None:
         for key, samples in ratios:
             self._samples[tuple(key)] = deque(samples, maxlen=RATIO_SAMPLES)
-            self._stale.add(tuple(key))
+            self._median.pop(tuple(key), None)
