@@ -115,8 +115,8 @@ def test_finished_rows_leave_without_running_the_draft(monkeypatch):
 
 def test_ar_rounds_are_written_together_and_read_as_if_written_each_round():
     """An AR round's features are kept as they come and written a few rounds at a time (one
-    copy, not a write and its bookkeeping per round: ~2% of a batch-1 CPU round); every
-    read, move or multi-token add sees them in place, in order."""
+    copy, not a write and its bookkeeping per round); every read, move or multi-token add
+    sees them in place, in order."""
     draft, cache, pending, feat = setup(capacity=64)
     every = pending._settle_every
     assert every == min(SETTLE_ROUNDS, draft.config.num_drafts + 1)

@@ -91,7 +91,7 @@ def test_with_a_draft_the_slot_holds_its_cache_too():
 def test_an_ar_stretch_trims_its_buffered_context_rarely():
     """A gated engine's AR rounds buffer each row's feature; a full buffer keeps its latest
     `keep` (PendingContext). With room for two blocks (34 positions at block 16) it was
-    trimmed every other AR round, ~1% of a batch-1 round on a CPU."""
+    trimmed every other AR round."""
     model = meta_target(QWEN3_8B)
     draft_cfg = DraftConfig(layout="zlab", block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33],
                             num_target_layers=36, hidden_size=4096, intermediate_size=12288, num_hidden_layers=5,

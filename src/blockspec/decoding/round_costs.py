@@ -31,8 +31,8 @@ KEY_SAMPLES = 4
 # on a CPU, shorter than the machine's spells, long enough that one slow round does not move it.
 PACE_ROUNDS = 16
 # Medians are computed again after this many new samples (or when first asked for), not
-# every round: options are priced every few rounds, and a median per round was a third of
-# the policy's upkeep in an AR stretch (~1% of a batch-1 CPU round).
+# every round: options are priced every few rounds, so a median per round is work that no
+# decision reads.
 REMEDIAN_SAMPLES = 4
 
 Key = tuple   # (False, rows) | (True, drafting rows) | (True, drafting rows, block) | (kind,)
