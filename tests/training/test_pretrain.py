@@ -140,11 +140,29 @@ def test_auto_precision_takes_the_faster(corpus, tmp_path, monkeypatch, slow):
 
 
 def test_auto_precision_stops_timing_bf16_once_it_has_lost(corpus, tmp_path, monkeypatch):
-    """A CPU without native bf16 GEMMs: bf16 steps 10x slower stop after one timed step, once
+    """A CPU without native bf16 GEMMs: bf16 steps 10x slower stop after two timed steps, once
     they have used float32's whole probe time."""
     bf16, speeds, calls = probe_with_step_costs(monkeypatch, corpus, tmp_path, {True: 0.2, False: 0.02})
     assert not bf16 and speeds["bfloat16"] < speeds["float32"]
-    assert calls == {False: 4, True: 2}   # warm-up + 3 timed steps; warm-up + 1
+    assert calls == {False: 4, True: 3}   # warm-up + 3 timed steps; warm-up + 2
+
+
+def test_a_pause_during_one_probe_step_does_not_pick_the_precision(corpus, tmp_path, monkeypatch):
+    """Each precision is timed by its fastest step: a pause (SIGSTOP) or a busy spell in one
+    step picked float32 at 148 tokens/s where bf16 runs 2.4x float32 on that CPU."""
+    costs = iter([0.02, 0.02, 0.02, 0.02, 0.01, 0.5, 0.01, 0.01])   # float32: warm-up + 3; bf16: one paused
+    calls = []
+
+    def fake_step(model, opt, stream, cfg, step, device, bf16):
+        calls.append(bf16)
+        time.sleep(next(costs))
+        return 0.0, 0.0
+
+    monkeypatch.setattr(pt, "train_step", fake_step)
+    cfg = config(corpus, tmp_path, precision="auto")
+    model = pt.build_model(cfg, pt.Tokenizer.from_file(str(TOKENIZER / "tokenizer.json")))
+    bf16, speeds = pt.choose_precision(model, torch.arange(200, dtype=torch.int32), cfg, torch.device("cpu"))
+    assert bf16 and speeds["bfloat16"] > speeds["float32"] and calls.count(True) >= 3
 
 
 def test_the_precision_probe_is_recorded(corpus, tmp_path):

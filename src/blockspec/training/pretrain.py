@@ -204,10 +204,13 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, stream: torch.Tenso
 def choose_precision(model: nn.Module, stream: torch.Tensor, cfg: PretrainConfig, device: torch.device,
                      steps: int = 3) -> tuple[bool, dict[str, float]]:
     """(use bf16, tokens/s of each precision): `auto` times a few training steps of each on a
-    copy of the model (the run's own weights and optimizer are untouched). bf16 is timed second
-    and stops after one timed step once it has used float32's whole probe time: on CPUs without native bf16 matrix
-    units its GEMMs run ~10x slower (an AMD EPYC without AVX512-BF16: 11x), and finishing its
-    steps would cost minutes to learn what one step shows."""
+    copy of the model (the run's own weights and optimizer are untouched), each from its
+    fastest step: a pause or another process during one step must not pick the precision
+    (a probe paused during bf16's one timed step chose float32 at 148 tokens/s on a CPU
+    where bf16 runs 2.4x float32's 666). bf16 is timed second and stops after two timed
+    steps once it has used float32's whole probe time: on CPUs without native bf16 matrix
+    units its GEMMs run ~10x slower (an AMD EPYC without AVX512-BF16: 11x), and finishing
+    its steps would cost minutes to learn what two steps show."""
     if cfg.precision != "auto":
         return cfg.precision == "bfloat16", {}
     speeds = {}
@@ -222,11 +225,13 @@ def choose_precision(model: nn.Module, stream: torch.Tensor, cfg: PretrainConfig
         opt = make_optimizer(probe, cfg)
         start = time.perf_counter()
         train_step(probe, opt, stream, cfg, 0, device, name == "bfloat16")   # warm-up (and compile)
-        t0, done = time.perf_counter(), 0
-        while done < steps and (done == 0 or budget is None or time.perf_counter() - start < budget):
+        fastest, done = math.inf, 0
+        while done < steps and (done < 2 or budget is None or time.perf_counter() - start < budget):
+            t0 = time.perf_counter()
             train_step(probe, opt, stream, cfg, done + 1, device, name == "bfloat16")
+            fastest = min(fastest, time.perf_counter() - t0)
             done += 1
-        speeds[name] = round(tokens * done / (time.perf_counter() - t0), 1)
+        speeds[name] = round(tokens / fastest, 1)
         budget = time.perf_counter() - start if budget is None else budget
         del probe, opt
     return speeds["bfloat16"] > speeds["float32"], speeds
