@@ -72,13 +72,18 @@ def test_expected_slot_counts():
     assert gpu_plan(meta_target(LLAMA31_8B), 141)[0].slots == 6
 
 
+def zlab_8b_draft() -> tuple[DraftConfig, DraftModel]:
+    """The z-lab 5-layer DFlash draft shape for Qwen3-8B, on the meta device."""
+    cfg = DraftConfig(layout="zlab", block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33],
+                      num_target_layers=36, hidden_size=4096, intermediate_size=12288, num_hidden_layers=5,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    with torch.device("meta"):
+        return cfg, DraftModel(cfg).to(torch.bfloat16)
+
+
 def test_with_a_draft_the_slot_holds_its_cache_too():
     model = meta_target(QWEN3_8B)
-    draft_cfg = DraftConfig(layout="zlab", block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33],
-                            num_target_layers=36, hidden_size=4096, intermediate_size=12288, num_hidden_layers=5,
-                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
-    with torch.device("meta"):
-        draft = DraftModel(draft_cfg).to(torch.bfloat16)
+    draft_cfg, draft = zlab_8b_draft()
     shapes = KVShapes.of(QWEN3_8B, torch.bfloat16, draft_cfg, torch.bfloat16)
     budget = 60 * GIB
     plan = plan_kv(shapes, budget, MAX_NUM_SEQS)
@@ -93,11 +98,7 @@ def test_an_ar_stretch_trims_its_buffered_context_rarely():
     `keep` (PendingContext). With room for two blocks (34 positions at block 16) it was
     trimmed every other AR round."""
     model = meta_target(QWEN3_8B)
-    draft_cfg = DraftConfig(layout="zlab", block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33],
-                            num_target_layers=36, hidden_size=4096, intermediate_size=12288, num_hidden_layers=5,
-                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
-    with torch.device("meta"):
-        draft = DraftModel(draft_cfg).to(torch.bfloat16)
+    draft_cfg, draft = zlab_8b_draft()
     pool = SlotPool(model, draft, plan_kv(KVShapes.of(QWEN3_8B, torch.bfloat16, draft_cfg, torch.bfloat16),
                                           60 * GIB, 4))
     pending = pool.pending
