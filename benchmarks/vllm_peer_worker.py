@@ -4,7 +4,7 @@ vllm, torch and the standard library; blockspec is not importable there by desig
     .venv-vllm/bin/python benchmarks/vllm_peer_worker.py JOB.json RESULT.json
 
 JOB: {"target", "draft", "window", "prompts": [[ids]], "max_new_tokens", "dtype", "method", "batches",
-"repeats", "patch_rmsnorm"}: one engine per process (a second LLM in one process finds vLLM's
+"repeats", "patch_rmsnorm", "prefix_caching"}: one engine per process (a second LLM in one process finds vLLM's
 distributed state torn down by the first). RESULT: one row per cell with the tokens of each prompt, the spec-decode
 counters (vLLM's own metrics: drafts, draft tokens, accepted tokens, accepted per position) and the
 median wall time of the repeats.
@@ -80,8 +80,11 @@ def main() -> None:
     dtype, method = job["dtype"], job["method"]
     spec = ({"method": "dflash", "model": job["draft"], "num_speculative_tokens": job["window"]}
             if method == "dflash" else None)
+    # Prefix caching off unless asked: every cell runs the same prompts, so from the second cell (and
+    # repeat) on vLLM would serve their prefill from its cache while blockspec's `generate` computes it.
     llm = LLM(model=job["target"], speculative_config=spec, dtype=dtype, max_model_len=1024, enforce_eager=True,
-              seed=0, disable_log_stats=False, max_num_seqs=max(16, *job["batches"]))
+              seed=0, disable_log_stats=False, max_num_seqs=max(16, *job["batches"]),
+              enable_prefix_caching=bool(job.get("prefix_caching")))
     run_cell(llm, job["prompts"][:2], 2, 8)   # warm-up
     rows = []
     for batch in job["batches"]:
