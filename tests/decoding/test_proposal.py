@@ -21,10 +21,10 @@ from blockspec.decoding.proposal import Proposal
 from blockspec.decoding.round import Forwards, WrappedForwards
 from blockspec.errors import BlockspecError
 from blockspec.models.chain_draft import Eagle3Drafter
-from conftest import make_draft, make_eagle3, make_target
+from conftest import RAGGED_PROMPTS as PROMPTS
+from conftest import ar_greedy, make_draft, make_eagle3, make_target
 from lossless_stats import chi_square_p, exact_first_three
 
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
@@ -35,7 +35,7 @@ def target64():
 
 @pytest.fixture(scope="module")
 def ar_reference(target64):
-    return [generate(target64, [p], GREEDY).completions[0].tokens for p in PROMPTS]
+    return ar_greedy(target64, PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])

@@ -185,6 +185,9 @@ class Verdict:
     accepted: torch.Tensor  # [R] number of drafts accepted
     bonus: torch.Tensor     # [R] the token sampled after the accepted prefix
     logprobs: list | None = None   # [R] the committed tokens' TokenLogprobs (None for rows that asked none)
+    # A tree's accepted path [R, D+1]: its nodes in the verify sequence [anchor, drafts], the
+    # anchor first (entries past accepted + 1 are 0). None: a chain, whose path is its prefix.
+    path: torch.Tensor | None = None
 
 
 def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -242,3 +245,34 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
     bonus_dist = torch.where(use_residual, residual / mass.clamp(min=1e-30), p_a)
     bonus = sample_from(bonus_dist, u.gather(1, own_last).squeeze(1))
     return Verdict(accepted, bonus)
+
+
+def verify_tree(target_logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                sampler: RowSampler) -> Verdict:
+    """The greedy rule over a draft tree (docs/design.md section 3.1, "Tree drafting").
+
+    target_logits [R, n+1, V]: next-token rows of [anchor, d_1..d_n]; drafts [R, n];
+    parents [R, n]: each draft's parent node (0: the anchor, j: d_j; parents come first);
+    depths [R, n]. A draft is accepted when its parent is and it is the target's argmax
+    after its parent: the accepted drafts lie on one path (siblings are distinct tokens;
+    were two equal, the first deepest node's path is taken). `accepted` is its length, the
+    target's argmax after its last node the bonus, `path` its nodes."""
+    if not sampler.all_greedy:
+        raise ValueError("tree verification is greedy only (temperature 0)")
+    rows, n = drafts.shape
+    choice = argmax_last(target_logits)                                        # [R, n+1]
+    match = drafts == choice.gather(1, parents)
+    depth = int(depths.max()) if n else 0
+    ok = torch.ones(rows, n + 1, dtype=torch.bool, device=drafts.device)       # node 0, the anchor, always
+    for _ in range(depth):   # one more level of the path settles per pass
+        ok = torch.cat([ok[:, :1], match & ok.gather(1, parents)], dim=1)
+    node_depth = torch.cat([torch.zeros_like(depths[:, :1]), depths], dim=1)
+    reached = torch.where(ok, node_depth, -1)
+    accepted, node = reached.max(dim=1, keepdim=True)                          # the first deepest accepted node
+    up = torch.cat([torch.zeros_like(parents[:, :1]), parents], dim=1)
+    path = torch.zeros(rows, depth + 1, dtype=torch.long, device=drafts.device)
+    for _ in range(depth):   # from the deepest node up to the anchor, each at its depth
+        path.scatter_(1, node_depth.gather(1, node), node)
+        node = up.gather(1, node)
+    bonus = choice.gather(1, path.gather(1, accepted)).squeeze(1)
+    return Verdict(accepted.squeeze(1), bonus, path=path)
