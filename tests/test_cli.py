@@ -179,7 +179,8 @@ def test_eagle_shape_reads_sglang_flags_as_sglang_does():
 
 def test_generate_drafts_a_tree_from_sglang_flags(capsys):
     """`blockspec generate --method eagle3 --speculative-eagle-topk 4 ...` prints AR's greedy
-    text; without --no-adapt, or sampling, it stops with one line and exit 2."""
+    text and samples; without --no-adapt, or sampling with --rule match, it stops with one
+    line and exit 2."""
     common = ["generate", "def fib(n):", "--max-new-tokens", "12", "--no-stats"]
     tree = ["--method", "eagle3", "--speculative-eagle-topk", "4", "--speculative-num-steps", "3",
             "--speculative-num-draft-tokens", "8"]
@@ -187,7 +188,10 @@ def test_generate_drafts_a_tree_from_sglang_flags(capsys):
     ar = capsys.readouterr().out
     assert cli.main(common + tree + ["--no-adapt"]) == 0
     assert capsys.readouterr().out == ar
-    for extra, message in (([], "--no-adapt"), (["--no-adapt", "--temperature", "1"], "greedy only")):
+    assert cli.main(common + tree + ["--no-adapt", "--temperature", "1", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.startswith("def fib(n):")
+    for extra, message in (([], "--no-adapt"), (["--no-adapt", "--temperature", "1", "--rule", "match"],
+                                                "--rule match runs chains only")):
         assert cli.main(common + tree + extra) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1

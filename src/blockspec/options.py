@@ -117,7 +117,7 @@ def add_eagle_shape_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) 
     --speculative-num-steps, --speculative-num-draft-tokens."""
     p.add_argument("--speculative-eagle-topk", type=int, default=None,
                    help="SGLang EAGLE: children per expanded node and nodes expanded per level; above 1 an EAGLE-3 "
-                        "draft tree (greedy, --no-adapt; needs the two flags below), 1 = a chain")
+                        "draft tree (--no-adapt; needs the two flags below), 1 = a chain")
     p.add_argument("--speculative-num-steps", type=int, default=None,
                    help="SGLang EAGLE: draft levels per round (a chain: its drafts)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,

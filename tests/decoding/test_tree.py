@@ -1,9 +1,11 @@
 """EAGLE-3 tree drafting through the one round: greedy output equals AR (ragged rows, batch
-1 and 3, several tree shapes); with the target's continuation planted along a random deep
-path of each tree (so the accepted nodes are not the first ones and the K/V must be moved
-into place), output still equals AR, long paths are accepted, and every tree the round
-drafts starts from the draft context a fresh recomputation gives; the tree rule and the
-K/V compaction on hand-made cases; what trees refuse, in one line."""
+1 and 3, several tree shapes, greedy rows beside sampled ones); with the target's
+continuation planted along a random deep path of each tree (so the accepted nodes are not
+the first ones and the K/V must be moved into place), output still equals AR, long paths
+are accepted, and every tree the round drafts starts from the draft context a fresh
+recomputation gives; sampled trees follow the target's distribution (chi-square, through
+generate and on the rule alone); the tree rules and the K/V compaction on hand-made cases;
+what trees refuse, in one line."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.models.kv_cache import KVCache
 from conftest import RAGGED_PROMPTS as PROMPTS
 from conftest import ar_greedy, make_eagle3, make_target
+from lossless_stats import chi_square_p, sampled_first_three
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 FIXED = PolicyOptions(adapt=False)
@@ -144,6 +147,57 @@ def test_tree_logprobs_are_the_targets_own(target64):
         assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
 
 
+def test_greedy_rows_beside_sampled_ones_equal_ar(target64, ar_reference):
+    """In a batch that samples, greedy rows still get AR's output (their target row is one-hot)."""
+    params = [GREEDY, SamplingParams(temperature=1.0, seed=1, max_new_tokens=24, ignore_eos=True), GREEDY]
+    out = generate(target64, PROMPTS, params, draft=tree_draft(target64, TREES[2]), policy=FIXED)
+    assert [out.completions[i].tokens for i in (0, 2)] == [ar_reference[0], ar_reference[2]]
+
+
+VOCAB, N, ALPHA = 12, 12000, 1e-3
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
+                         ids=["T1", "T0.7-k5"])
+def test_sampled_trees_follow_target_distribution(params):
+    """Recursive rejection over siblings: the first three tokens (the second and third from
+    trees of two levels, three children per expanded node) follow the target's joint
+    distribution, with a draft vocabulary of 8 of the 12 tokens (4 never drafted)."""
+    target = make_target(seed=3, vocab=VOCAB, dtype=torch.float64)
+    draft = Eagle3Drafter.pair(make_eagle3(target, draft_vocab=8, seed=5), target).with_tree(EagleTree(3, 2, 7))
+    p_value, tau = sampled_first_three(target, draft, params, [3, 5, 7, 2], VOCAB, N)
+    assert tau > 1.15   # drafts were accepted: the rule, not the fallback, made the tokens
+    assert p_value > ALPHA
+
+
+def test_sampled_tree_rule_is_exact_on_a_fixed_tree():
+    """The rule alone, with high target probabilities on siblings (where a wrong residual
+    shows most): tree anchor -> a, b, c; a -> two children; b -> one. The first emitted token
+    follows the target after the anchor, the second (a path token or the bonus) the target
+    after the first, over 20000 rows each with its own generator."""
+    vocab, rows = 6, 20000
+    parents, depths = torch.tensor([[0, 0, 0, 1, 1, 2]]), torch.tensor([[1, 1, 1, 2, 2, 2]])
+    drafts = torch.tensor([[0, 1, 2, 3, 4, 0]])
+    after = torch.tensor([[0.35, 0.3, 0.15, 0.1, 0.05, 0.05],   # the anchor
+                          [0.1, 0.1, 0.1, 0.4, 0.2, 0.1],       # a = 0
+                          [0.5, 0.1, 0.1, 0.1, 0.1, 0.1],       # b = 1
+                          [0.2, 0.2, 0.2, 0.2, 0.1, 0.1],       # c = 2 (a leaf)
+                          *[[1 / 6] * 6] * 3], dtype=torch.float64)
+    sampler = RowSampler.from_params([SamplingParams(temperature=1.0, seed=i) for i in range(rows)])
+    verdict = verify_tree(after.log().expand(rows, -1, -1), drafts.expand(rows, -1), parents.expand(rows, -1),
+                          depths.expand(rows, -1), sampler)
+    emitted = torch.cat([torch.cat([torch.zeros(1, dtype=torch.long), drafts[0]])[verdict.path[:, 1:]],
+                         verdict.bonus.unsqueeze(1)], dim=1)
+    first = torch.where(verdict.accepted > 0, emitted[:, 0], verdict.bonus)
+    second = torch.where(verdict.accepted > 1, emitted[:, 1], verdict.bonus)
+    # cells: (first, second) for a drafted first token (0..2), (first, -) for the others
+    cell = torch.where(first < 3, first * vocab + second, 3 * vocab + first - 3)
+    counts = torch.bincount(cell, minlength=3 * vocab + 3).double()
+    exact = torch.cat([(after[0, :3].unsqueeze(1) * after[1:4]).flatten(), after[0, 3:]])
+    assert chi_square_p(counts, exact) > 1e-3
+    assert (verdict.accepted == 2).sum() > rows // 10   # second-level drafts were accepted
+
+
 def test_tree_rule_follows_the_matching_branch():
     # [anchor, d1..d5]: d1, d2 children of the anchor; d3 of d2; d4, d5 of d3.
     parents = torch.tensor([[0, 0, 2, 3, 3]])
@@ -185,8 +239,9 @@ def test_keep_path_moves_the_accepted_nodes_into_place():
 def test_what_trees_refuse(target64):
     draft = tree_draft(target64, TREES[1])
     prompt = [PROMPTS[0]]
-    with pytest.raises(BlockspecError, match="greedy only"):
-        generate(target64, prompt, SamplingParams(temperature=1.0, max_new_tokens=4), draft=draft, policy=FIXED)
+    with pytest.raises(BlockspecError, match="--rule match runs chains only"):
+        generate(target64, prompt, SamplingParams(temperature=1.0, max_new_tokens=4), draft=draft, policy=FIXED,
+                 rule="match")
     with pytest.raises(BlockspecError, match="penalties"):
         generate(target64, prompt, SamplingParams(repetition_penalty=1.2, max_new_tokens=4), draft=draft,
                  policy=FIXED)

@@ -78,15 +78,16 @@ def check_method(method: str, draft: AnyDraft | None) -> None:
         raise BlockspecError("method 'dspark' needs a draft with a Markov or confidence head")
 
 
-def check_tree(draft: AnyDraft | None, params: list[SamplingParams], policy: RoundPolicy) -> None:
+def check_tree(draft: AnyDraft | None, params: list[SamplingParams], policy: RoundPolicy, rule: str) -> None:
     """What an EAGLE-3 draft tree (`ChainDraftConfig.tree`) runs with, refused in one line
-    otherwise: greedy rows without penalties (the tree rule is greedy; a sampled tree needs a
-    multi-draft rule), and a fixed policy (the adaptive one plans chains and blocks)."""
+    otherwise: its own rule (`sampling.verify_tree`: recursive rejection over siblings when
+    sampling, not sample-and-match), no penalties, and a fixed policy (the adaptive one plans
+    chains and blocks)."""
     if not is_tree(draft):
         return
-    if any(not sp.greedy for sp in params):
-        raise BlockspecError("EAGLE-3 tree drafting (topk > 1) is greedy only: use temperature 0, or a chain "
-                             "(topk 1) to sample")
+    if rule != "rejection" and any(not sp.greedy for sp in params):
+        raise BlockspecError(f"EAGLE-3 tree drafting (topk > 1) samples with its own rejection rule over siblings; "
+                             f"--rule {rule} runs chains only")
     if any(sp.penalized for sp in params):
         raise BlockspecError("EAGLE-3 tree drafting (topk > 1) does not apply penalties or logit_bias; use a chain "
                              "(topk 1)")
@@ -162,7 +163,7 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     t_policy = time.perf_counter()
     policy = RoundPolicy.of(policy, target, draft, method, len(prompts))
     policy_s = time.perf_counter() - t_policy
-    check_tree(draft, params, policy)
+    check_tree(draft, params, policy, rule)
     # Rows in temperature-band order (greedy first): a round's drafting rows are a prefix.
     active = sorted(range(len(prompts)), key=lambda i: params[i].band)
     batch = _start(target, draft, [prompts[i] for i in active], [params[i] for i in active], options)

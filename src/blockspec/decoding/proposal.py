@@ -99,10 +99,9 @@ def chain_proposal(draft: Eagle3Drafter, cache: Eagle3Cache, sampler: RowSampler
 
 
 def tree_proposal(draft: Eagle3Drafter, cache: Eagle3Cache, sampler: RowSampler) -> Proposal:
-    """EAGLE-3's greedy draft tree (`Eagle3Drafter.draft_tree`): num_draft_tokens - 1 drafts
-    per row and the tree they form. Greedy only: sampling from a tree needs a multi-draft
-    acceptance rule (docs/design.md section 3.1)."""
-    if not sampler.all_greedy:
-        raise ValueError("EAGLE-3 tree drafting is greedy only (temperature 0)")
+    """EAGLE-3's draft tree (`Eagle3Drafter.draft_tree`): num_draft_tokens - 1 drafts per row
+    and the tree they form. The draft chooses them alone (top-k, at any temperature): each
+    is a point-mass proposal, which the tree's rule (`sampling.verify_tree`) verifies
+    losslessly at any temperature, so the proposal carries no distributions."""
     tokens, parents, depths = draft.draft_tree(cache)
     return Proposal(tokens, None, None, tree=TokenTree(parents, depths))

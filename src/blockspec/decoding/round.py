@@ -202,7 +202,7 @@ class Forwards:
                                sampler: RowSampler, capture: tuple[int, ...] = ()
                                ) -> tuple[Verdict, torch.Tensor | None]:
         """`verify_and_commit` for a draft tree: one target forward over every node
-        (`tree_forward`), the greedy tree rule (`sampling.verify_tree`: the verdict carries
+        (`tree_forward`), the tree rule (`sampling.verify_tree`: the verdict carries
         the accepted path), the path's K/V kept in place (`commit_path`). The features and
         log-probabilities returned are the path's, in order, as a chain's prefix would be."""
         assert proposal.tree is not None

@@ -123,7 +123,7 @@ class Eagle3Drafter:
         return self.model.chain_from(cache, cache.last, k, self.embed, pick)
 
     def draft_tree(self, cache: Eagle3Cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The greedy draft tree of `config.tree` per row from its last committed position
+        """The draft tree (top-k) of `config.tree` per row from its last committed position
         (`Eagle3Draft.tree_from`): (tokens, parents, depths), each [R, num_draft_tokens - 1]."""
         assert self.config.tree is not None
         return self.model.tree_from(cache, cache.last, self.config.tree, self.embed)

@@ -182,7 +182,7 @@ class Eagle3Draft(nn.Module):
     @torch.no_grad()
     def tree_from(self, cache: KVCache, hidden: torch.Tensor, tree: EagleTree, embed: nn.Embedding
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """EAGLE-2's greedy draft tree (`EagleTree`) from each row's last committed output
+        """EAGLE-2's draft tree (`EagleTree`; top-k, no sampling) from each row's last committed output
         hidden [R, H]: level 1 is the topk most likely tokens; each later level runs the
         previous level's topk nodes as one step (each at position length + depth - 1, seeing
         the committed slots, its ancestors and itself) and scores their topk children by
