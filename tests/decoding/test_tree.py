@@ -253,6 +253,8 @@ def test_what_trees_refuse(target64):
         Engine(target64, draft, "eagle3", policy=FIXED)
     with pytest.raises(BlockspecError, match="no block size"):
         draft.with_block_size(4)
+    with pytest.raises(BlockspecError, match="exceeds the draft's vocabulary of 40"):
+        draft.with_tree(EagleTree(topk=41, num_steps=1, num_draft_tokens=3))
     with pytest.raises(BlockspecError, match="num_draft_tokens"):
         EagleTree(topk=2, num_steps=2, num_draft_tokens=8)   # 2 + 4 nodes drafted: at most 7
     with pytest.raises(BlockspecError, match="topk"):

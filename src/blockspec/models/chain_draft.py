@@ -75,6 +75,9 @@ class Eagle3Drafter:
 
     def with_tree(self, tree: EagleTree) -> "Eagle3Drafter":
         """The same weights drafting `tree` each round (EAGLE-2's dynamic tree, `draft_tree`)."""
+        vocab = self.config.draft.draft_vocab_size
+        if tree.topk > vocab:
+            raise BlockspecError(f"EAGLE-3 tree: topk {tree.topk} exceeds the draft's vocabulary of {vocab} tokens")
         return Eagle3Drafter(self.model, self.embed, ChainDraftConfig(self.config.draft, tree.num_draft_tokens - 1,
                                                                       self.config.target_layer_ids, tree=tree))
 
