@@ -64,6 +64,17 @@ def oracle_tokens(tokens: torch.Tensor, draft_cache, anchors: torch.Tensor, refe
     return tokens
 
 
+# Ragged prompts for greedy-equality tests of speculative decoding against AR.
+RAGGED_PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+def ar_greedy(target: TargetModel, prompts: list[list[int]], params) -> list[list[int]]:
+    """Each prompt's plain AR greedy output, generated alone: what every speculative run must equal."""
+    from blockspec.decoding.generate import generate
+
+    return [generate(target, [p], params).completions[0].tokens for p in prompts]
+
+
 def make_target(seed: int = 0, dtype: torch.dtype = torch.float32, **kw) -> TargetModel:
     torch.manual_seed(seed)
     model = TargetModel(tiny_target_config(**kw))

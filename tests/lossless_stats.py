@@ -35,3 +35,26 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     exp = torch.cat([expected[big], expected[~big].sum().view(1)])
     keep = exp > 0
     return float(stats.chisquare(obs[keep].numpy(), exp[keep].numpy() * float(obs.sum() / exp[keep].sum())).pvalue)
+
+
+def first_three_counts(token_lists, vocab: int) -> torch.Tensor:
+    """How often each (t1, t2, t3) was generated, flattened [V**3] as `exact_first_three`."""
+    counts = torch.zeros(vocab ** 3)
+    for a, b, c in (tokens[:3] for tokens in token_lists):
+        counts[(a * vocab + b) * vocab + c] += 1
+    return counts
+
+
+def sampled_first_three(target, draft, params: SamplingParams, prompt: list[int], vocab: int, n: int
+                        ) -> tuple[float, float]:
+    """Generate three tokens for `prompt` n times (seeds 0..n-1, fixed windows) with `draft`:
+    (the chi-square p-value of their joint counts against the target's exact distribution,
+    the run's tau, so a caller can check the rule rather than the fallback made the tokens)."""
+    from blockspec import PolicyOptions
+    from blockspec.decoding.generate import generate
+
+    rows = [SamplingParams(temperature=params.temperature, top_k=params.top_k, max_new_tokens=3, seed=i,
+                           ignore_eos=True) for i in range(n)]
+    out = generate(target, [prompt] * n, rows, draft=draft, policy=PolicyOptions(adapt=False))
+    counts = first_three_counts([c.tokens for c in out.completions], vocab)
+    return chi_square_p(counts, exact_first_three(target, params, prompt, vocab)), out.tau

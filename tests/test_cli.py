@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from blockspec import cli
-from blockspec.options import dataclass_from_args
+from blockspec.config import EagleTree
+from blockspec.errors import BlockspecError
+from blockspec.options import dataclass_from_args, eagle_shape
 from blockspec.training.pretrain import PretrainConfig
 
 SRC = Path(cli.__file__).resolve().parent
@@ -153,3 +156,42 @@ def test_policy_flags_of_generate_serve_and_bench():
     args = parser.parse_args(["generate", "hi", "--policy-memory", "disk", "--fresh-policy", "--remeasure-costs"])
     assert (args.policy_memory, args.fresh_policy, args.remeasure_costs) == ("disk", True, True)
     assert parser.parse_args(["serve", "--policy-memory", "off"]).policy_memory == "off"
+
+
+def test_eagle_shape_reads_sglang_flags_as_sglang_does():
+    """topk above 1: a tree of num_steps levels verifying num_draft_tokens; topk 1 (or none): a
+    chain whose block is num_steps + 1 = num_draft_tokens; every disagreement is one line."""
+    assert eagle_shape("eagle3", None, 4, 5, 12) == (None, EagleTree(4, 5, 12))
+    assert eagle_shape("eagle3", None, 1, 5, None) == (6, None)
+    assert eagle_shape("eagle3", None, None, None, 8) == (8, None)
+    assert eagle_shape("eagle3", 6, None, 5, 6) == (6, None)
+    assert eagle_shape("dflash", 8, None, None, None) == (8, None)
+    for args, message in [(("eagle3", 6, None, 3, None), "conflicting chain lengths"),
+                          (("eagle3", None, 4, 5, None), "--speculative-num-draft-tokens too"),
+                          (("eagle3", 6, 4, 5, 12), "drop --block-size"),
+                          (("dflash", None, 4, 5, 12), "method eagle3"),
+                          (("eagle3", None, 0, 5, 12), "positive integer"),
+                          (("eagle3", None, None, None, 1), "2 or more"),
+                          (("eagle3", None, 2, 2, 8), "num_draft_tokens counts the anchor")]:
+        with pytest.raises(BlockspecError, match=re.escape(message)):
+            eagle_shape(*args)
+
+
+def test_generate_drafts_a_tree_from_sglang_flags(capsys):
+    """`blockspec generate --method eagle3 --speculative-eagle-topk 4 ...` prints AR's greedy
+    text and samples; without --no-adapt, or sampling with --rule match, it stops with one
+    line and exit 2."""
+    common = ["generate", "def fib(n):", "--max-new-tokens", "12", "--no-stats"]
+    tree = ["--method", "eagle3", "--speculative-eagle-topk", "4", "--speculative-num-steps", "3",
+            "--speculative-num-draft-tokens", "8"]
+    assert cli.main(common) == 0
+    ar = capsys.readouterr().out
+    assert cli.main(common + tree + ["--no-adapt"]) == 0
+    assert capsys.readouterr().out == ar
+    assert cli.main(common + tree + ["--no-adapt", "--temperature", "1", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.startswith("def fib(n):")
+    for extra, message in (([], "--no-adapt"), (["--no-adapt", "--temperature", "1", "--rule", "match"],
+                                                "--rule match runs chains only")):
+        assert cli.main(common + tree + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1

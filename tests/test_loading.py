@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from blockspec import embedded
+from blockspec import EagleTree, embedded
 from blockspec.errors import BlockspecError
 from blockspec.loading import load_drafts, load_models
 
@@ -20,6 +20,14 @@ def test_load_models_shorter_block_is_a_new_draft():
     full = load_models(method="dspark").draft
     short = load_models(method="dspark", block_size=2).draft
     assert short.config.block_size == 2 and full.config.block_size > 2
+
+
+def test_load_models_tree_is_an_eagle3_draft_drafting_it():
+    tree = EagleTree(4, 5, 12)
+    draft = load_models(method="eagle3", tree=tree).draft
+    assert draft.config.tree == tree and draft.config.num_drafts == 11
+    with pytest.raises(BlockspecError, match="EAGLE-3's"):
+        load_models(method="dflash", tree=tree)
 
 
 def test_load_models_missing_target(tmp_path):

@@ -86,6 +86,8 @@ _TOY: dict[str, tuple[dict[str, str | list[str]], list[str]]] = {
     "blockspec profile --out runs/cost_table.json --draft embedded --tokens 1,2,4,8,16,32,64,128,256,512": ({}, []),
     "blockspec profile --refresh --draft embedded": ({}, []),
     "blockspec generate 'def fib(n):' --method eagle3 --block-size 6": ({}, GEN),
+    "blockspec generate 'def fib(n):' --method eagle3 --no-adapt --speculative-eagle-topk 4 --speculative-num-steps 5 "
+    "--speculative-num-draft-tokens 12": ({}, GEN),
     "blockspec train ... --num-layers 2 --draft-sliding-window 512 --draft-layer-types "
     "sliding_attention,full_attention": ({"...": "{previous_train}"}, ["--out", "runs/dflash-window"]),
     "blockspec bench --methods ar,eagle3,dflash,dspark --eagle3-draft DIR --dflash-draft DIR --dspark-draft DIR":

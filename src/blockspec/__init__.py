@@ -6,7 +6,7 @@ Public API::
     from blockspec import GenerateOptions, PolicyOptions, EngineOptions   # keyword-only options
 """
 
-from blockspec.config import DraftConfig, SamplingParams, TargetConfig
+from blockspec.config import DraftConfig, EagleTree, SamplingParams, TargetConfig
 from blockspec.decoding.generate import GenerateOptions, generate
 from blockspec.decoding.policy import PolicyOptions
 from blockspec.engine.engine import Engine, EngineOptions
@@ -14,7 +14,7 @@ from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import load_draft, load_target, save_draft, save_target
 from blockspec.models.tokenizer import Tokenizer
 
-__all__ = ["BlockspecError", "DraftConfig", "Engine", "EngineOptions", "GenerateOptions", "PolicyOptions",
+__all__ = ["BlockspecError", "DraftConfig", "EagleTree", "Engine", "EngineOptions", "GenerateOptions", "PolicyOptions",
            "SamplingParams", "TargetConfig", "Tokenizer", "generate",
            "load_draft", "load_target", "save_draft", "save_target"]
 __version__ = "0.1.0"

@@ -30,8 +30,8 @@ from blockspec.interop import ENGINES, HOSTS, EngineCompatibilityWarning, launch
 from blockspec.loading import draft_method, load_drafts, load_models
 from blockspec.models.checkpoint import load_draft, load_target, save_draft
 from blockspec.options import (add_chat_template_flag, add_compile_flag, add_dataclass_flags, add_dtype_flag,
-                               add_load_flags, add_model_flags, add_policy_flags, add_rule_flag, add_target_flag,
-                               dataclass_from_args, load_options, policy_options)
+                               add_eagle_shape_flags, add_load_flags, add_model_flags, add_policy_flags, add_rule_flag,
+                               add_target_flag, dataclass_from_args, eagle_shape, load_options, policy_options)
 from blockspec.serving.server import add_serve_parser
 from blockspec.training.calibrate import collect_rollouts, fit_sts, save_temperatures
 from blockspec.training.corpus import build_corpus, train_tokenizer
@@ -54,7 +54,9 @@ def cmd_corpus(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    models = load_models(args.target, args.draft, args.method, block_size=args.block_size,
+    block_size, tree = eagle_shape(args.method, args.block_size, args.speculative_eagle_topk,
+                                   args.speculative_num_steps, args.speculative_num_draft_tokens)
+    models = load_models(args.target, args.draft, args.method, block_size=block_size, tree=tree,
                          chat_template=args.chat_template, **load_options(args))
     # Flags not given fall back to the checkpoint's generation_config.json, then SamplingParams' own defaults.
     params = models.generation_defaults.sampling_params(
@@ -260,6 +262,7 @@ def _add_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text (streams to the terminal)")
     p.add_argument("prompt")
     add_model_flags(p)
+    add_eagle_shape_flags(p)
     # Sampling flags default to the checkpoint's generation_config.json (as vLLM), then to
     # greedy / 128 tokens (SamplingParams' defaults).
     p.add_argument("--max-new-tokens", type=int, default=None,

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from blockspec import embedded
-from blockspec.config import DRAFT_METHODS, EAGLE3_ARCHITECTURES, METHODS, DraftConfig, GenerationDefaults, read_json
+from blockspec.config import (DRAFT_METHODS, EAGLE3_ARCHITECTURES, METHODS, DraftConfig, EagleTree, GenerationDefaults,
+                              read_json)
 from blockspec.errors import BlockspecError
 from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.models.checkpoint import load_draft, load_eagle3, load_target
@@ -64,12 +65,13 @@ def load_generation_defaults(target_dir: str | Path) -> GenerationDefaults:
 def load_models(target: str | Path | None = None, draft: str | Path | None = None, method: str = "ar", *,
                 block_size: int | None = None, dtype: str | torch.dtype | None = None,
                 device: str | torch.device | None = "cpu", allow_nonfinite: bool = False,
-                chat_template: str | Path | None = None) -> LoadedModels:
+                chat_template: str | Path | None = None, tree: EagleTree | None = None) -> LoadedModels:
     """Target, tokenizer and (for speculative methods) draft; None = the embedded models.
 
     `block_size` runs the draft with a shorter block than trained (a new draft value,
     weights shared; for "eagle3": a chain of block_size - 1 drafts, any length); it is
-    ignored for method "ar". dtype / device / allow_nonfinite:
+    ignored for method "ar". `tree`: an EAGLE-3 draft drafts this tree instead of a chain
+    (method "eagle3" only; `EagleTree`). dtype / device / allow_nonfinite:
     see the module docstring. `chat_template` (`--chat-template`): a file, an inline
     template or a template name replacing the checkpoint's (models.chat_template).
     """
@@ -78,12 +80,17 @@ def load_models(target: str | Path | None = None, draft: str | Path | None = Non
     tokenizer = Tokenizer(target_dir, chat_template=chat_template)  # refuses a bad or hostile chat template
     tokenizer.check_fits(target_model.config.vocab_size)
     draft_model = None
+    if tree is not None and method != "eagle3":
+        raise BlockspecError(f"a draft tree (topk > 1) is EAGLE-3's (method eagle3), not method {method}'s")
     if method != "ar":
         if method not in DRAFT_METHODS:
             raise BlockspecError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
         draft_model = load_drafts(target_model, {method: draft}, [method], allow_nonfinite=allow_nonfinite)[method]
         if block_size:
             draft_model = draft_model.with_block_size(block_size)
+        if tree is not None:
+            assert isinstance(draft_model, Eagle3Drafter)
+            draft_model = draft_model.with_tree(tree)
     return LoadedModels(target_model, tokenizer, draft_model, method, load_generation_defaults(target_dir))
 
 

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from blockspec.config import METHODS, RULES, read_json
+from blockspec.config import METHODS, RULES, EagleTree, read_json
 from blockspec.errors import BlockspecError
 
 TARGET_HELP = "HF-format target directory (default: the embedded model)"
@@ -110,6 +110,54 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="run with a shorter block than trained")
     add_chat_template_flag(p)
     add_load_flags(p)
+
+
+def add_eagle_shape_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """SGLang's EAGLE draft-shape flags (`eagle_shape` reads them): --speculative-eagle-topk,
+    --speculative-num-steps, --speculative-num-draft-tokens."""
+    p.add_argument("--speculative-eagle-topk", type=int, default=None,
+                   help="SGLang EAGLE: children per expanded node and nodes expanded per level; above 1 an EAGLE-3 "
+                        "draft tree (--no-adapt; needs the two flags below), 1 = a chain")
+    p.add_argument("--speculative-num-steps", type=int, default=None,
+                   help="SGLang EAGLE: draft levels per round (a chain: its drafts)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="SGLang: tokens verified per round including the anchor (a chain: drafts + 1; a tree: its "
+                        "best-scored nodes + 1)")
+
+
+def eagle_shape(method: str, block_size: int | None, topk: int | None, num_steps: int | None,
+                num_draft_tokens: int | None) -> tuple[int | None, EagleTree | None]:
+    """(block size, tree) of an EAGLE-3 draft from --block-size and SGLang's flags
+    (`add_eagle_shape_flags`), as SGLang reads them: topk above 1 is a tree of num_steps
+    levels verifying num_draft_tokens (both needed); topk 1 or none, a chain of num_steps
+    drafts (num_draft_tokens = num_steps + 1, the block size: the anchor included). Flags
+    that disagree, or that shape another method's draft, are refused."""
+    sglang = {"--speculative-eagle-topk": topk, "--speculative-num-steps": num_steps,
+              "--speculative-num-draft-tokens": num_draft_tokens}
+    given = [flag for flag, value in sglang.items() if value is not None]
+    if not given:
+        return block_size, None
+    if method != "eagle3":
+        raise BlockspecError(f"{', '.join(given)} shape EAGLE-3 drafts (--method eagle3), not method {method}")
+    if topk is not None and topk < 1:
+        raise BlockspecError(f"--speculative-eagle-topk must be a positive integer, got {topk}")
+    if topk is not None and topk > 1:
+        if num_steps is None or num_draft_tokens is None:
+            raise BlockspecError(f"--speculative-eagle-topk {topk} drafts a tree: give its --speculative-num-steps "
+                                 "and --speculative-num-draft-tokens too")
+        if block_size is not None:
+            raise BlockspecError("a tree's size is --speculative-num-draft-tokens; drop --block-size")
+        return None, EagleTree(topk, num_steps, num_draft_tokens)
+    sizes = {"--block-size": block_size, "--speculative-num-steps + 1": None if num_steps is None else num_steps + 1,
+             "--speculative-num-draft-tokens": num_draft_tokens}
+    given_sizes = {flag: size for flag, size in sizes.items() if size is not None}
+    if len(set(given_sizes.values())) > 1:
+        listed = ", ".join(f"{flag} = {size}" for flag, size in given_sizes.items())
+        raise BlockspecError(f"conflicting chain lengths: {listed}")
+    size = next(iter(given_sizes.values()), None)
+    if size is not None and size < 2:
+        raise BlockspecError(f"a chain verifies the anchor and at least one draft: a block of 2 or more, got {size}")
+    return size, None
 
 
 def field_comments(cls: type) -> dict[str, str]:

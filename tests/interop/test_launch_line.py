@@ -276,7 +276,7 @@ def test_eagle3_line_refusals(models, tmp_path, capsys):
     code, _, err = run_cli(capsys, "launch-line", str(models / "eagle3"), "--engine", "sglang",
                            "--target", str(tmp_path / "other"))
     assert code == 2 and "vocab_size" in err
-    with pytest.raises(BlockspecError, match="tree drafting is not supported"):
+    with pytest.raises(BlockspecError, match="engine \\(serve\\) drafts EAGLE-3 chains"):
         build_engine(serve_args("--target", str(models / "target"), "--speculative-algorithm", "EAGLE3",
                                 "--speculative-draft-model-path", str(models / "eagle3"),
                                 "--speculative-eagle-topk", "4"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from blockspec import PolicyOptions
-from blockspec.config import SamplingParams
+from blockspec.config import EagleTree, SamplingParams
 from blockspec.decoding.generate import GenerateOptions, generate
 from blockspec.loading import load_drafts
 from blockspec.models.chain_draft import Eagle3Cache, Eagle3Drafter
@@ -78,3 +78,55 @@ def test_saved_and_loaded_draft_drafts_the_same_chains(tmp_path):
                        options=GenerateOptions(observer=seen))
         runs.append(([c.tokens for c in out.completions], seen.rounds))
     assert runs[0] == runs[1] and sum(len(r[0]) for r in runs[0][1]) > 8
+
+
+def _forced_logp(draft: Eagle3Drafter, cache: Eagle3Cache, path: list[int]) -> torch.Tensor:
+    """The draft's log-probabilities over its vocabulary after feeding `path` as a chain
+    (`Eagle3Draft.step`, one token per forward) from the cache's last committed output."""
+    model, hidden = draft.model, cache.last
+    for i, tok in enumerate(path):
+        hidden = model.step(cache, torch.tensor([tok]), hidden, i, draft.embed)
+    return torch.log_softmax(model.draft_logits(hidden), -1)[0]
+
+
+def _paths_and_scores(draft: Eagle3Drafter, cache: Eagle3Cache, tree: EagleTree) -> dict[tuple[int, ...], float]:
+    """Each drafted node's path from the anchor -> its path log-probability, recomputed one
+    chained step at a time; checks that nodes come after their parents."""
+    tokens, parents, depths = (t[0].tolist() for t in draft.with_tree(tree).draft_tree(cache))
+    vocab = draft.model.vocabulary.tolist()
+    paths: dict[int, tuple[int, ...]] = {0: ()}
+    scores: dict[tuple[int, ...], float] = {(): 0.0}
+    for i, (tok, parent) in enumerate(zip(tokens, parents), start=1):
+        assert parent < i
+        paths[i] = paths[parent] + (tok,)
+        assert depths[i - 1] == len(paths[i])
+        logp = _forced_logp(draft, cache, list(paths[parent]))
+        scores[paths[i]] = scores[paths[parent]] + float(logp[vocab.index(tok)])
+    del scores[()]
+    return scores
+
+
+def test_tree_nodes_are_the_best_scored_topk_children_of_their_paths():
+    """With every candidate kept, a tree's levels are: the topk draft tokens after the
+    anchor, then the topk children (recomputed one chained step at a time) of the topk
+    best-scored nodes of the level before; a smaller tree keeps the best-scored of those;
+    a topk-1 tree drafts the chain."""
+    target = make_target(dtype=torch.float64)
+    chain = Eagle3Drafter.pair(make_eagle3(target), target, 3)
+    cache = chain.new_cache(1, 32)
+    feats = torch.randn(1, 6, 3 * target.config.hidden_size, dtype=torch.float64)
+    chain.append_context(cache, feats, 6, torch.randint(0, 60, (1, 6)))
+    k, vocab = 3, chain.model.vocabulary
+    full = _paths_and_scores(chain, cache, EagleTree(topk=k, num_steps=3, num_draft_tokens=22))   # all 3 + 9 + 9
+    assert len(full) == 21
+    for depth in (1, 2):
+        level = sorted((p for p in full if len(p) == depth), key=lambda p: -full[p])
+        expanded = {p[:-1] for p in full if len(p) == depth + 1}
+        assert expanded == set(level[:k])
+        for path in expanded:
+            children = sorted(p[-1] for p in full if len(p) == depth + 1 and p[:-1] == path)
+            assert children == sorted(vocab[_forced_logp(chain, cache, list(path)).topk(k).indices].tolist())
+    assert sorted(p[0] for p in full if len(p) == 1) == sorted(vocab[_forced_logp(chain, cache, []).topk(k).indices].tolist())
+    kept = _paths_and_scores(chain, cache, EagleTree(topk=k, num_steps=3, num_draft_tokens=10))
+    assert set(kept) == set(sorted(full, key=lambda p: -full[p])[:9])
+    assert chain.with_tree(EagleTree(1, 3, 4)).draft_tree(cache)[0].tolist() == chain.draft(cache, 3)[0].tolist()

@@ -15,7 +15,7 @@ from blockspec.config.common import (DRAFT_METHODS, LIMITS, METHODS, RULES, SUPP
 from blockspec.config.draft import DRAFT_HEAD_KEYS, LAYOUTS, MARKOV_TYPES, DraftConfig
 from blockspec.config.draft_attention import DRAFT_LAYER_TYPES
 from blockspec.config.eagle3 import (DEFAULT_CHAIN_DRAFTS, EAGLE3_ARCHITECTURES, ChainDraftConfig, Eagle3Config,
-                                     default_aux_layer_ids)
+                                     EagleTree, default_aux_layer_ids)
 from blockspec.config.rope import RopeConfig
 from blockspec.config.sampling import (SAMPLING_EPS, TEMPERATURE_BANDS, GenerationDefaults, SamplingParams,
                                        temperature_band)
@@ -24,5 +24,5 @@ from blockspec.config.target import TargetConfig
 __all__ = ["DEFAULT_CHAIN_DRAFTS", "DRAFT_HEAD_KEYS", "DRAFT_LAYER_TYPES", "DRAFT_METHODS", "EAGLE3_ARCHITECTURES", "LAYOUTS",
            "LIMITS", "MARKOV_TYPES", "METHODS", "RULES", "SAMPLING_EPS", "SUPPORTED_ROPE_TYPES", "SUPPORTED_TARGET_TYPES",
            "TEMPERATURE_BANDS", "ChainDraftConfig", "DraftConfig",
-           "Eagle3Config", "GenerationDefaults", "RopeConfig", "SamplingParams", "TargetConfig", "default_aux_layer_ids",
+           "Eagle3Config", "EagleTree", "GenerationDefaults", "RopeConfig", "SamplingParams", "TargetConfig", "default_aux_layer_ids",
            "read_json", "temperature_band"]

@@ -203,6 +203,47 @@ class Eagle3Config:
                  f"{where}: auxiliary layers {ids} name layers beyond the target's {target.num_hidden_layers}")
 
 
+# The largest draft tree a round verifies (its verify forward's width); SGLang's examples stay
+# at 64 and a CPU verify forward of more nodes costs more than the tree can win back.
+MAX_TREE_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class EagleTree:
+    """EAGLE-2's draft tree, as SGLang spells it (docs/design.md section 3.1, "Tree
+    drafting"): `num_steps` levels (`--speculative-num-steps`), each expanding the `topk`
+    best-scored nodes of the level before into their `topk` most likely children
+    (`--speculative-eagle-topk`); of every node drafted, the `num_draft_tokens` - 1 with the
+    highest path probability are verified with the anchor in one target forward
+    (`--speculative-num-draft-tokens`, which counts the anchor). Its shape (nodes drafted per
+    step, nodes verified) is fixed; which nodes fill it is chosen per round and row."""
+
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("topk", "num_steps", "num_draft_tokens"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                    f"EAGLE-3 tree: {name} must be a positive integer, got {value!r}")
+        most = min(self.candidates + 1, MAX_TREE_TOKENS)
+        require(2 <= self.num_draft_tokens <= most,
+                f"EAGLE-3 tree: num_draft_tokens counts the anchor and the verified drafts: 2..{most} for topk "
+                f"{self.topk} and {self.num_steps} steps (at most 1 + the {self.candidates} nodes drafted, and "
+                f"{MAX_TREE_TOKENS}), got {self.num_draft_tokens}")
+
+    @property
+    def candidates(self) -> int:
+        """Nodes drafted per row: topk at the first level, topk x topk at each later one."""
+        return self.topk + (self.num_steps - 1) * self.topk * self.topk
+
+    @property
+    def scratch_slots(self) -> int:
+        """Draft cache slots the expanded nodes' K/V take after a row's committed ones."""
+        return (self.num_steps - 1) * self.topk
+
+
 # Drafts per round of a chain when none is asked for: the training-time test's 7 steps
 # (train --ttt-steps), the depth the draft learned to continue its own predictions to.
 DEFAULT_CHAIN_DRAFTS = 7
@@ -223,10 +264,13 @@ class ChainDraftConfig:
     target_layer_ids: list[int]
     layout: str = "eagle3"
     is_dspark: bool = False
+    tree: EagleTree | None = None   # None: a chain; else the tree drafted (num_drafts: its verified drafts)
 
     def __post_init__(self) -> None:
         require(isinstance(self.num_drafts, int) and not isinstance(self.num_drafts, bool) and self.num_drafts >= 1,
                 f"EAGLE-3: drafts per round must be a positive integer, got {self.num_drafts!r}")
+        require(self.tree is None or self.num_drafts == self.tree.num_draft_tokens - 1,
+                f"EAGLE-3: a tree verifies num_draft_tokens - 1 drafts per round, not {self.num_drafts}")
 
     @classmethod
     def of(cls, draft: Eagle3Config, num_target_layers: int, num_drafts: int = DEFAULT_CHAIN_DRAFTS
@@ -263,6 +307,7 @@ class ChainDraftConfig:
     def signature(self) -> str:
         """The shape a draft round's cost depends on (cost-table cache keys)."""
         d = self.draft
+        tree = "" if self.tree is None else f" tree={self.tree.topk}x{self.tree.num_steps}"
         return (f"eagle3 hidden={d.hidden_size} inter={d.intermediate_size} heads={d.num_attention_heads}/"
                 f"{d.num_key_value_heads} head_dim={d.head_dim} draft_vocab={d.draft_vocab_size} "
-                f"drafts={self.num_drafts} taps={self.target_layer_ids}")
+                f"drafts={self.num_drafts}{tree} taps={self.target_layer_ids}")

@@ -19,7 +19,7 @@ from blockspec.decoding.captured import CapturedSteps, captured_steps
 from blockspec.decoding.context import PendingContext
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
 from blockspec.decoding.penalties import LogitAdjust
-from blockspec.decoding.policy import PolicyOptions, RoundPolicy
+from blockspec.decoding.policy import TREE_NEEDS_FIXED_POLICY, PolicyOptions, RoundPolicy, is_tree
 from blockspec.decoding.prefill import Prefilled, prefill
 from blockspec.decoding.round import DENSE, Forwards, RoundInputs, RoundOutcome, speculative_round
 from blockspec.decoding.sampling import RowSampler
@@ -76,6 +76,23 @@ def check_method(method: str, draft: AnyDraft | None) -> None:
         raise BlockspecError(f"method {method!r} cannot run this draft (its method is {method_of(draft)})")
     if method == "dspark" and draft is not None and not draft.config.is_dspark:
         raise BlockspecError("method 'dspark' needs a draft with a Markov or confidence head")
+
+
+def check_tree(draft: AnyDraft | None, params: list[SamplingParams], policy: RoundPolicy, rule: str) -> None:
+    """What an EAGLE-3 draft tree (`ChainDraftConfig.tree`) runs with, refused in one line
+    otherwise: its own rule (`sampling.verify_tree`: recursive rejection over siblings when
+    sampling, not sample-and-match), no penalties, and a fixed policy (the adaptive one plans
+    chains and blocks)."""
+    if not is_tree(draft):
+        return
+    if rule != "rejection" and any(not sp.greedy for sp in params):
+        raise BlockspecError(f"EAGLE-3 tree drafting (topk > 1) samples with its own rejection rule over siblings; "
+                             f"--rule {rule} runs chains only")
+    if any(sp.penalized for sp in params):
+        raise BlockspecError("EAGLE-3 tree drafting (topk > 1) does not apply penalties or logit_bias; use a chain "
+                             "(topk 1)")
+    if not policy.fixed:
+        raise BlockspecError(TREE_NEEDS_FIXED_POLICY)
 
 
 def method_of(draft: AnyDraft | None) -> str:
@@ -146,6 +163,7 @@ def generate(target: TargetModel, prompts: list[list[int]], params: SamplingPara
     t_policy = time.perf_counter()
     policy = RoundPolicy.of(policy, target, draft, method, len(prompts))
     policy_s = time.perf_counter() - t_policy
+    check_tree(draft, params, policy, rule)
     # Rows in temperature-band order (greedy first): a round's drafting rows are a prefix.
     active = sorted(range(len(prompts)), key=lambda i: params[i].band)
     batch = _start(target, draft, [prompts[i] for i in active], [params[i] for i in active], options)
@@ -199,7 +217,8 @@ def _start(target: TargetModel, draft: AnyDraft | None, prompts: list[list[int]]
     # (decoding/captured.py); CPU AR keeps its tuned compiled decode step.
     compile = options.compile
     if compile and isinstance(draft, Eagle3Drafter):
-        raise BlockspecError("compile (captured static steps) does not run EAGLE-3 chains yet; drop --compile")
+        raise BlockspecError("compile (captured static steps) does not run EAGLE-3 chains or trees yet; drop "
+                             "--compile")
     captured = (captured_steps(target, draft) if compile and (draft is not None or target.device.type == "cuda")
                 else None)
     if compile and captured is None:

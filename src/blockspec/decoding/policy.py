@@ -30,7 +30,7 @@ from blockspec.decoding.round import ConfidenceMap, Proposal, RoundOutcome
 from blockspec.decoding.policy_memory import MEMORY_MODES, PolicyMemory, table_signature
 from blockspec.decoding.table_cache import CostDrift, cached_cost_table, drift_of, table_rows, write_back
 from blockspec.errors import BlockspecError
-from blockspec.models.chain_draft import AnyDraft
+from blockspec.models.chain_draft import AnyDraft, Eagle3Drafter
 from blockspec.models.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,15 @@ class PolicyOptions:
                                  "needs --cost-table: blockspec profile --draft ...)")
 
 
+TREE_NEEDS_FIXED_POLICY = ("EAGLE-3 tree drafting (topk > 1) verifies its whole tree every round; the adaptive "
+                           "policy plans chains only: add --no-adapt (PolicyOptions(adapt=False))")
+
+
+def is_tree(draft: AnyDraft | None) -> bool:
+    """Whether `draft` drafts an EAGLE-3 tree (`ChainDraftConfig.tree`) rather than a chain or block."""
+    return isinstance(draft, Eagle3Drafter) and draft.config.tree is not None
+
+
 # DSpark's early stop pays only for a few rows: with this many or more, all of them
 # rarely fall below the floor together, and slot-by-slot lm_head calls and checks
 # cost more than one lm_head call for the block (`plan` applies the floor anyway).
@@ -177,6 +186,8 @@ class RoundPolicy:
         AR) over up to `rows` rows, as `options` say (`PolicyOptions`; default: adaptive).
         Checks that the table was measured for this target."""
         options = options or PolicyOptions()
+        if is_tree(draft) and (options.adapt or options.scheduled or options.draft_gate):
+            raise BlockspecError(TREE_NEEDS_FIXED_POLICY)
         table, scheduled, draft_gate = options.cost_table, options.scheduled, options.draft_gate
         if isinstance(table, (str, Path)):
             table = CostTable.load(table)

@@ -2,7 +2,8 @@
 beside the block forward itself (docs/design.md section 4): DSpark's Markov head, which
 samples the block slot by slot after its one draft forward (`markov_drafts`), and
 EAGLE-3's chain (`chain_proposal`), k one-token draft forwards each fed the draft's own
-previous state and token.
+previous state and token, or its tree (`tree_proposal`), one forward per level of the
+best-scored nodes.
 
 Both hand verification the exact distributions their drafts were drawn from. A chain
 draws from the draft's reduced vocabulary mapped onto the target's (`Eagle3Draft.
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 
 from blockspec.decoding.sampling import RowSampler, argmax_last, sample
+from blockspec.decoding.tree import TokenTree
 from blockspec.models.chain_draft import Eagle3Cache, Eagle3Drafter
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
@@ -34,6 +36,7 @@ class Proposal:
                                          # (None when every row is greedy: verification only compares tokens)
     confidence: torch.Tensor | None      # [R, g] per-slot acceptance probability the policy plans with (DSpark)
     raw_confidence: torch.Tensor | None = None   # [R, g] the confidence head's own output
+    tree: TokenTree | None = None        # the drafts' shape when they form a tree (None: a chain)
 
 
 def proposal_of(tokens: torch.Tensor, probs: torch.Tensor | None, raw: torch.Tensor | None,
@@ -93,3 +96,12 @@ def chain_proposal(draft: Eagle3Drafter, cache: Eagle3Cache, sampler: RowSampler
     else:
         tokens, probs = draft.draft(cache, g, lambda logits: sample(logits, sampler))
     return Proposal(tokens, probs, None)
+
+
+def tree_proposal(draft: Eagle3Drafter, cache: Eagle3Cache, sampler: RowSampler) -> Proposal:
+    """EAGLE-3's draft tree (`Eagle3Drafter.draft_tree`): num_draft_tokens - 1 drafts per row
+    and the tree they form. The draft chooses them alone (top-k, at any temperature): each
+    is a point-mass proposal, which the tree's rule (`sampling.verify_tree`) verifies
+    losslessly at any temperature, so the proposal carries no distributions."""
+    tokens, parents, depths = draft.draft_tree(cache)
+    return Proposal(tokens, None, None, tree=TokenTree(parents, depths))

@@ -5,7 +5,9 @@
 slot by slot) -> the policy's verify lengths (how many drafts each row verifies) ->
 `verify_and_commit` (one target forward over [anchor, drafts], the acceptance
 rule, the caches rolled back to the accepted prefix) -> the accepted rows'
-target features handed to the draft context. `speculative_round` runs those
+target features handed to the draft context. An EAGLE-3 draft tree (decoding/tree.py) runs
+the same round: its nodes verified in one forward under a tree mask, the accepted path's
+K/V moved into place (`verify_tree_and_commit`). `speculative_round` runs those
 steps under a `Policy` (decoding/policy.py); `generate`, the engine, the bench and
 calibration (observers of `generate`) all call it. AR decoding is the same round
 with zero drafts.
@@ -31,8 +33,10 @@ from blockspec.config import temperature_band
 from blockspec.decoding.context import DraftContext
 from blockspec.decoding.logprobs import row_logprobs
 from blockspec.decoding.prefill import next_tokens
-from blockspec.decoding.proposal import ConfidenceMap, Proposal, chain_proposal, markov_drafts, proposal_of
-from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify
+from blockspec.decoding.proposal import (ConfidenceMap, Proposal, chain_proposal, markov_drafts, proposal_of,
+                                         tree_proposal)
+from blockspec.decoding.sampling import RowSampler, Verdict, argmax_last, sample, verify, verify_tree
+from blockspec.decoding.tree import TokenTree, keep_path
 from blockspec.models.chain_draft import AnyDraft, Eagle3Cache, Eagle3Drafter
 from blockspec.models.draft import DraftModel
 from blockspec.models.kv_cache import KVCache
@@ -80,6 +84,11 @@ class Forwards:
         assert isinstance(draft_cache, Eagle3Cache)
         return chain_proposal(draft, draft_cache, sampler, g)
 
+    def draft_tree(self, draft: Eagle3Drafter, draft_cache: KVCache, sampler: RowSampler) -> Proposal:
+        """EAGLE-3's tree proposal: one draft forward per level (`proposal.tree_proposal`)."""
+        assert isinstance(draft_cache, Eagle3Cache)
+        return tree_proposal(draft, draft_cache, sampler)
+
     def width(self, drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> int:
         """Drafts per row the verify forward spans."""
         return drafts.shape[1]
@@ -94,6 +103,16 @@ class Forwards:
         out = target(seq, cache, capture=capture)
         return out.logits, out.features
 
+    def tree_forward(self, target: TargetModel, cache: KVCache, anchors: torch.Tensor, drafts: torch.Tensor,
+                     tree: TokenTree, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [R, n+1, V] (and with `capture` features) of [anchor, drafts] as a tree: one
+        forward in which each node sees the committed context and its ancestors, at its depth."""
+        start = cache.lengths.clone()
+        seq = torch.cat([anchors.unsqueeze(1), drafts], dim=1)
+        upto = cache.check_room(seq.shape[1]) + seq.shape[1]
+        out = target(seq, cache, capture=capture, mask=tree.verify_mask(start, upto), positions=tree.positions(start))
+        return out.logits, out.features
+
     def verdict(self, logits: torch.Tensor, drafts: torch.Tensor, probs: torch.Tensor | None, sampler: RowSampler,
                 num_drafts: torch.Tensor | None, rule: str) -> Verdict:
         """The acceptance rule (`sampling.verify`)."""
@@ -102,6 +121,10 @@ class Forwards:
     def commit(self, cache: KVCache, start: torch.Tensor, accepted: torch.Tensor) -> None:
         """Keep anchor + accepted drafts; the bonus gets its KV when it is the next anchor."""
         cache.truncate(start + accepted + 1)
+
+    def commit_path(self, cache: KVCache, start: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor) -> None:
+        """A tree's commit: the accepted path's K/V moved into place (`tree.keep_path`)."""
+        keep_path(cache, start, path, accepted)
 
     def propose(self, draft: AnyDraft, target: TargetModel, draft_cache: KVCache, anchors: torch.Tensor,
                     sampler: RowSampler, block: int | None = None, stop_below: float = 0.0,
@@ -121,6 +144,10 @@ class Forwards:
         g = cfg.num_drafts if block is None else block
         if not 1 <= g <= cfg.num_drafts:
             raise ValueError(f"a block of g drafts needs g in 1..{cfg.num_drafts} (the draft's num_drafts), got {g}")
+        if isinstance(draft, Eagle3Drafter) and draft.config.tree is not None:
+            if g != cfg.num_drafts:
+                raise ValueError(f"an EAGLE-3 tree verifies all its {cfg.num_drafts} drafts; a block of {g} asked")
+            return self.draft_tree(draft, draft_cache, sampler)
         if isinstance(draft, Eagle3Drafter):
             return self.draft_chain(draft, draft_cache, sampler, g)
         block_ids = torch.full((anchors.shape[0], cfg.first_draft_slot + g), cfg.mask_token_id, dtype=torch.long,
@@ -151,7 +178,9 @@ class Forwards:
         num_drafts [R]: drafts each row verifies (default all; the rest count as not
         proposed). Returns the verdict and, with `capture`, the target features of each
         row's new tokens [R, W, F] (row r's first accepted[r] + 1 are the kept ones):
-        the draft's next context."""
+        the draft's next context. A tree (`proposal.tree`): `verify_tree_and_commit`."""
+        if proposal is not None and proposal.tree is not None:
+            return self.verify_tree_and_commit(target, cache, anchors, proposal, sampler, capture)
         start = cache.lengths.clone()
         drafts = proposal.tokens if proposal is not None else anchors.new_zeros(anchors.shape[0], 0)
         probs = proposal.probs if proposal is not None else None
@@ -168,6 +197,40 @@ class Forwards:
             verdict.logprobs = row_logprobs(raw, committed, (verdict.accepted + 1).tolist(), sampler.logprobs)
         self.commit(cache, start, verdict.accepted)
         return verdict, features
+
+    def verify_tree_and_commit(self, target: TargetModel, cache: KVCache, anchors: torch.Tensor, proposal: Proposal,
+                               sampler: RowSampler, capture: tuple[int, ...] = ()
+                               ) -> tuple[Verdict, torch.Tensor | None]:
+        """`verify_and_commit` for a draft tree: one target forward over every node
+        (`tree_forward`), the tree rule (`sampling.verify_tree`: the verdict carries
+        the accepted path), the path's K/V kept in place (`commit_path`). The features and
+        log-probabilities returned are the path's, in order, as a chain's prefix would be."""
+        assert proposal.tree is not None
+        if sampler.adjust is not None:
+            raise ValueError("tree verification does not apply penalties or logit_bias")
+        start = cache.lengths.clone()
+        raw, features = self.tree_forward(target, cache, anchors, proposal.tokens, proposal.tree, capture)
+        verdict = verify_tree(raw, proposal.tokens, proposal.tree.parents, proposal.tree.depths, sampler)
+        path = verdict.path
+        assert path is not None
+        if features is not None:
+            features = features.gather(1, path.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
+        if sampler.logprobs is not None:
+            on_path = raw.gather(1, path.unsqueeze(-1).expand(-1, -1, raw.shape[-1]))
+            committed = torch.cat([committed_drafts(anchors, proposal, verdict), verdict.bonus.unsqueeze(1)], dim=1)
+            committed.scatter_(1, verdict.accepted.unsqueeze(1), verdict.bonus.unsqueeze(1))
+            verdict.logprobs = row_logprobs(on_path, committed, (verdict.accepted + 1).tolist(), sampler.logprobs)
+        self.commit_path(cache, start, path, verdict.accepted)
+        return verdict, features
+
+
+def committed_drafts(anchors: torch.Tensor, proposal: Proposal, verdict: Verdict) -> torch.Tensor:
+    """The drafts a row's accepted prefix is read from [R, W]: the proposal's own for a
+    chain, the accepted path's tokens for a tree (its first `accepted` are the accepted)."""
+    if verdict.path is None:
+        return proposal.tokens
+    seq = torch.cat([anchors.unsqueeze(1), proposal.tokens], dim=1)
+    return seq.gather(1, verdict.path)[:, 1:]
 
 
 def verified_width(drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> int:
@@ -202,6 +265,13 @@ class WrappedForwards(Forwards):
     def draft_chain(self, draft: Eagle3Drafter, draft_cache: KVCache, sampler: RowSampler, g: int) -> Proposal:
         return self.inner.draft_chain(draft, draft_cache, sampler, g)
 
+    def draft_tree(self, draft: Eagle3Drafter, draft_cache: KVCache, sampler: RowSampler) -> Proposal:
+        return self.inner.draft_tree(draft, draft_cache, sampler)
+
+    def tree_forward(self, target: TargetModel, cache: KVCache, anchors: torch.Tensor, drafts: torch.Tensor,
+                     tree: TokenTree, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.inner.tree_forward(target, cache, anchors, drafts, tree, capture)
+
     def width(self, drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> int:
         return self.inner.width(drafts, num_drafts)
 
@@ -216,6 +286,9 @@ class WrappedForwards(Forwards):
 
     def commit(self, cache: KVCache, start: torch.Tensor, accepted: torch.Tensor) -> None:
         self.inner.commit(cache, start, accepted)
+
+    def commit_path(self, cache: KVCache, start: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor) -> None:
+        self.inner.commit_path(cache, start, path, accepted)
 
 
 DENSE = Forwards()
@@ -265,7 +338,8 @@ class Policy(Protocol):
 class RoundOutcome:
     """What one round did, per batch row."""
 
-    drafted: list[list[int]]      # tokens proposed to each row (empty for rows that did not draft)
+    drafted: list[list[int]]      # tokens proposed to each row (empty for rows that did not draft;
+                                  # a tree: its accepted path's, padded to the tree's depth)
     verified: list[int]           # drafts each row verified
     accepted: list[int]           # drafts each row accepted
     bonus: list[int]              # the token sampled after each row's accepted prefix (the next anchor)
@@ -321,16 +395,18 @@ def speculative_round(batch: RoundInputs, policy: Policy, *, rule: str = "reject
     capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
     verdict, features = forwards.verify_and_commit(target, batch.cache, anchors, proposal, sampler, lens, capture,
                                                    rule)
+    drafts = None if proposal is None else committed_drafts(anchors, proposal, verdict)
     if features is not None:
         assert batch.context is not None and draft is not None
         counts = verdict.accepted + 1
         if isinstance(draft, Eagle3Drafter):   # EAGLE-3's context pairs each position with the token after it
-            seq = anchors.unsqueeze(1) if proposal is None else torch.cat([anchors.unsqueeze(1), proposal.tokens], 1)
+            seq = anchors.unsqueeze(1) if drafts is None else torch.cat([anchors.unsqueeze(1), drafts], 1)
             batch.context.add(features, counts, next_tokens(seq[:, :features.shape[1]], counts, verdict.bonus))
         else:
             batch.context.add(features, counts)
     t_verified = time.perf_counter()
-    accepted, bonus, drafted, verified = _outcome_lists(verdict, proposal, lens, r)
+    proposed = proposal.tokens.shape[1] if proposal is not None else 0
+    accepted, bonus, drafted, verified = _outcome_lists(verdict, drafts, proposed, lens, r)
     raw = proposal.raw_confidence if proposal is not None else None
     outcome = RoundOutcome(drafted, verified, accepted, bonus, None if raw is None else raw[:k],
                            k, block if k else 0, draft_s=t_drafted - t_start, plan_s=t_planned - t_drafted,
@@ -340,20 +416,22 @@ def speculative_round(batch: RoundInputs, policy: Policy, *, rule: str = "reject
     return outcome
 
 
-def _outcome_lists(verdict: Verdict, proposal: Proposal | None, lens: torch.Tensor | None, rows: int
-                   ) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+def _outcome_lists(verdict: Verdict, drafts: torch.Tensor | None, proposed: int, lens: torch.Tensor | None,
+                   rows: int) -> tuple[list[int], list[int], list[list[int]], list[int]]:
     """(accepted, bonus, drafted, verified) on the host in ONE transfer: the round's only
-    synchronisation on a GPU (each .tolist() would be a device-to-host copy and a wait)."""
+    synchronisation on a GPU (each .tolist() would be a device-to-host copy and a wait).
+    drafts: what `committed_drafts` read the accepted prefix from; proposed: drafts per
+    row (every row verifies them all unless `lens` says otherwise)."""
     parts = [verdict.accepted.view(rows, 1), verdict.bonus.view(rows, 1)]
-    g = proposal.tokens.shape[1] if proposal is not None else 0
-    if proposal is not None:
-        parts.append(proposal.tokens)
+    g = drafts.shape[1] if drafts is not None else 0
+    if drafts is not None:
+        parts.append(drafts)
     if lens is not None:   # (planned on the host: copied to the device to travel back with the rest)
         parts.append(lens.to(verdict.accepted.device, non_blocking=True).view(rows, 1))
     host = torch.cat([p.to(torch.long) for p in parts], dim=1).tolist()
     accepted, bonus = [h[0] for h in host], [h[1] for h in host]
     drafted = [h[2:2 + g] for h in host]
-    verified = [h[2 + g] for h in host] if lens is not None else [g] * rows
+    verified = [h[2 + g] for h in host] if lens is not None else [proposed] * rows
     return accepted, bonus, drafted, verified
 
 

@@ -185,6 +185,9 @@ class Verdict:
     accepted: torch.Tensor  # [R] number of drafts accepted
     bonus: torch.Tensor     # [R] the token sampled after the accepted prefix
     logprobs: list | None = None   # [R] the committed tokens' TokenLogprobs (None for rows that asked none)
+    # A tree's accepted path [R, D+1]: its nodes in the verify sequence [anchor, drafts], the
+    # anchor first (entries past accepted + 1 are 0). None: a chain, whose path is its prefix.
+    path: torch.Tensor | None = None
 
 
 def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -242,3 +245,80 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
     bonus_dist = torch.where(use_residual, residual / mass.clamp(min=1e-30), p_a)
     bonus = sample_from(bonus_dist, u.gather(1, own_last).squeeze(1))
     return Verdict(accepted, bonus)
+
+
+def verify_tree(target_logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                sampler: RowSampler) -> Verdict:
+    """The acceptance rule over a draft tree (docs/design.md section 3.1, "Tree drafting").
+
+    target_logits [R, n+1, V]: next-token rows of [anchor, d_1..d_n]; drafts [R, n]: chosen
+    by the draft alone (top-k, no sampling: a point mass each); parents [R, n]: each draft's
+    parent node (0: the anchor, j: d_j; parents come first); depths [R, n]. Greedy: a draft
+    is accepted when its parent is and it is the target's argmax after its parent, so the
+    accepted drafts lie on one path (siblings are distinct tokens; were two equal, the first
+    deepest node's path is taken), and the bonus is the argmax after its last node.
+    Sampling: `_sampled_tree_verdict`. Returns the path's length (`accepted`), the bonus and
+    the path's nodes."""
+    if not sampler.all_greedy:
+        return _sampled_tree_verdict(warp(target_logits, sampler), drafts, parents, depths, sampler)
+    rows, n = drafts.shape
+    choice = argmax_last(target_logits)                                        # [R, n+1]
+    match = drafts == choice.gather(1, parents)
+    depth = int(depths.max()) if n else 0
+    ok = torch.ones(rows, n + 1, dtype=torch.bool, device=drafts.device)       # node 0, the anchor, always
+    for _ in range(depth):   # one more level of the path settles per pass
+        ok = torch.cat([ok[:, :1], match & ok.gather(1, parents)], dim=1)
+    node_depth = torch.cat([torch.zeros_like(depths[:, :1]), depths], dim=1)
+    reached = torch.where(ok, node_depth, -1)
+    accepted, node = reached.max(dim=1, keepdim=True)                          # the first deepest accepted node
+    up = torch.cat([torch.zeros_like(parents[:, :1]), parents], dim=1)
+    path = torch.zeros(rows, depth + 1, dtype=torch.long, device=drafts.device)
+    for _ in range(depth):   # from the deepest node up to the anchor, each at its depth
+        path.scatter_(1, node_depth.gather(1, node), node)
+        node = up.gather(1, node)
+    bonus = choice.gather(1, path.gather(1, accepted)).squeeze(1)
+    return Verdict(accepted.squeeze(1), bonus, path=path)
+
+
+def _sampled_tree_verdict(p: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                          sampler: RowSampler) -> Verdict:
+    """Recursive rejection sampling over siblings with point-mass proposals (the rule EAGLE
+    samples its trees with; docs/design.md section 3.1). From the anchor, with r the target's
+    warped distribution p at the current node: try its children in drafting order, accepting
+    child x with probability r(x); on a rejection, r = r without x, renormalised (the residual
+    max(0, r - q) of a proposal q that is a point mass at x), and the next sibling is tried;
+    on an acceptance, descend into x with r = p at x. Where no child is accepted (or there is
+    none) the bonus is drawn from r. Each step reproduces r exactly (accept x with r(x), else
+    draw from r without x), so the emitted tokens follow the target: lossless, because the
+    drafts depend on the draft alone. A greedy row's p is one-hot: the greedy rule.
+    Row r draws n + 1 uniforms from its own generator: node j's coin (u[:, j]), the bonus (u[:, 0])."""
+    rows, n = drafts.shape
+    device = drafts.device
+    u = sampler.uniform((n + 1,), device)
+    same = parents.unsqueeze(2) == parents.unsqueeze(1)
+    rank = (same & torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)).sum(-1)   # among its siblings
+    siblings = int(rank.max()) + 1 if n else 0
+    depth = int(depths.max()) if n else 0
+    index = torch.arange(rows, device=device)
+    node = torch.zeros(rows, dtype=torch.long, device=device)                 # the path's last node
+    residual = p[:, 0].clone()
+    alive = torch.ones(rows, dtype=torch.bool, device=device)
+    path = torch.zeros(rows, depth + 1, dtype=torch.long, device=device)
+    for level in range(1, depth + 1):
+        moved = torch.zeros(rows, dtype=torch.bool, device=device)
+        for s in range(siblings):
+            is_child = (parents == node.unsqueeze(1)) & (rank == s)
+            tried = is_child.any(1) & alive & ~moved
+            child = is_child.to(torch.uint8).argmax(1)                         # a draft index (valid where tried)
+            tok = drafts[index, child]
+            take = tried & (u[index, child + 1] < residual[index, tok])
+            dropped = residual.scatter(1, tok.unsqueeze(1), 0.0)
+            dropped = dropped / dropped.sum(-1, keepdim=True).clamp(min=1e-30)
+            residual = torch.where((tried & ~take).unsqueeze(1), dropped, residual)
+            residual = torch.where(take.unsqueeze(1), p[index, child + 1], residual)
+            node = torch.where(take, child + 1, node)
+            moved |= take
+        alive &= moved
+        path[:, level] = torch.where(alive, node, 0)
+    accepted = (path[:, 1:] > 0).long().sum(1)
+    return Verdict(accepted, sample_from(residual, u[:, 0]), path=path)

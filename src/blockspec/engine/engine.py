@@ -32,7 +32,7 @@ from blockspec.decoding.captured import MODES as CAPTURE_MODES, CapturedSteps
 from blockspec.decoding.context import DraftContext
 from blockspec.decoding.generate import check_method
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
-from blockspec.decoding.policy import PolicyOptions, RoundPolicy
+from blockspec.decoding.policy import PolicyOptions, RoundPolicy, is_tree
 from blockspec.decoding.prefill import prefill
 from blockspec.decoding.round import Forwards, PackedForwards, RoundInputs, speculative_round
 from blockspec.decoding.sampling import RowSampler, new_generator
@@ -139,6 +139,9 @@ class Engine:
                  max_running: int = 32, max_model_len: int | None = None, tokenizer: Detokenizer | None = None,
                  policy: RoundPolicy | PolicyOptions | None = None, options: EngineOptions | None = None) -> None:
         check_method(method, draft)
+        if is_tree(draft):
+            raise BlockspecError("the engine (serve) drafts EAGLE-3 chains only; tree drafting (topk > 1) runs in "
+                                 "generate")
         options = options or EngineOptions()
         chunk = chunk_size(options.prefill_chunk_tokens, target.device)
         self.target, self.method, self.rule, self.tokenizer = target, method, options.rule, tokenizer

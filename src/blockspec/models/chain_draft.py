@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockspec.config import DEFAULT_CHAIN_DRAFTS, ChainDraftConfig
+from blockspec.config import DEFAULT_CHAIN_DRAFTS, ChainDraftConfig, EagleTree
+from blockspec.errors import BlockspecError
 from blockspec.models.draft import DraftModel
 from blockspec.models.eagle3 import Eagle3Draft, Pick
 from blockspec.models.kv_cache import KVCache
@@ -72,8 +73,18 @@ class Eagle3Drafter:
         return Eagle3Drafter(self.model, self.embed, ChainDraftConfig(self.config.draft, num_drafts,
                                                                       self.config.target_layer_ids))
 
+    def with_tree(self, tree: EagleTree) -> "Eagle3Drafter":
+        """The same weights drafting `tree` each round (EAGLE-2's dynamic tree, `draft_tree`)."""
+        vocab = self.config.draft.draft_vocab_size
+        if tree.topk > vocab:
+            raise BlockspecError(f"EAGLE-3 tree: topk {tree.topk} exceeds the draft's vocabulary of {vocab} tokens")
+        return Eagle3Drafter(self.model, self.embed, ChainDraftConfig(self.config.draft, tree.num_draft_tokens - 1,
+                                                                      self.config.target_layer_ids, tree=tree))
+
     def with_block_size(self, block_size: int) -> "Eagle3Drafter":
         """`with_num_drafts(block_size - 1)`: blocks count the anchor (`ChainDraftConfig.block_size`)."""
+        if self.config.tree is not None:
+            raise BlockspecError("an EAGLE-3 tree's size is its num_draft_tokens; give it no block size")
         return self.with_num_drafts(block_size - 1)
 
     @property
@@ -89,8 +100,11 @@ class Eagle3Drafter:
         return self.model.modules()
 
     def new_cache(self, rows: int, capacity: int) -> Eagle3Cache:
-        d = self.config.draft
-        return Eagle3Cache(rows, d.num_key_value_heads, d.head_dim, capacity, d.hidden_size, self.dtype, self.device)
+        """`capacity` slots, plus the room a tree's levels take after the committed ones."""
+        d, tree = self.config.draft, self.config.tree
+        scratch = 0 if tree is None else tree.scratch_slots
+        return Eagle3Cache(rows, d.num_key_value_heads, d.head_dim, capacity + scratch, d.hidden_size, self.dtype,
+                           self.device)
 
     def append_context(self, cache: Eagle3Cache, features: torch.Tensor, num_new: torch.Tensor | int,
                        next_tokens: torch.Tensor | None = None) -> None:
@@ -110,6 +124,12 @@ class Eagle3Drafter:
         """k chained drafts per row from its last committed position (`Eagle3Draft.chain_from`):
         (tokens [R, k], their distributions over the full vocabulary [R, k, V] or None)."""
         return self.model.chain_from(cache, cache.last, k, self.embed, pick)
+
+    def draft_tree(self, cache: Eagle3Cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft tree (top-k) of `config.tree` per row from its last committed position
+        (`Eagle3Draft.tree_from`): (tokens, parents, depths), each [R, num_draft_tokens - 1]."""
+        assert self.config.tree is not None
+        return self.model.tree_from(cache, cache.last, self.config.tree, self.embed)
 
 
 # A draft the round runs: DFlash / DSpark (one block forward) or EAGLE-3 (a chain of one-token forwards).

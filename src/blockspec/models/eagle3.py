@@ -21,7 +21,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from blockspec.config import Eagle3Config
+from blockspec.config import Eagle3Config, EagleTree
 from blockspec.models.attention import ALL_KEYS, append_mask, limit_mask
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.layers import (Attention, AttentionShape, CacheAccess, Linear, RMSNorm, RotaryEmbedding,
@@ -115,10 +115,12 @@ class Eagle3Draft(nn.Module):
         return (embed if self.embed_tokens is None else self.embed_tokens)(tokens).to(self.dtype)
 
     def _cached(self, tokens: torch.Tensor, hidden: torch.Tensor, embed: nn.Embedding, cache: KVCache,
-                slots: torch.Tensor, upto: int, mask) -> torch.Tensor:
+                slots: torch.Tensor, upto: int, mask, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer over tokens [B, T] with hidden [B, T, H], K/V written at slots [B, T] and
+        rotated at positions (default: the slots; a tree's nodes sit at their depth)."""
         layer = self.midlayer
         x, residual = layer.inputs(self.embed(tokens, embed), hidden)
-        cos, sin = self.rotary(slots, x.dtype)
+        cos, sin = self.rotary(slots if positions is None else positions, x.dtype)
         return layer.finish(layer.self_attn(x, cos, sin, mask, CacheAccess(cache, slots, upto)), residual)
 
     def append(self, cache: KVCache, features: torch.Tensor, tokens: torch.Tensor, num_new: torch.Tensor | int,
@@ -177,6 +179,68 @@ class Eagle3Draft(nn.Module):
                 hidden = self.step(cache, tok[:, 0], hidden, i, embed)
         return torch.cat(drafts, 1), torch.cat(dists, 1) if dists else None
 
+    @torch.no_grad()
+    def tree_from(self, cache: KVCache, hidden: torch.Tensor, tree: EagleTree, embed: nn.Embedding
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EAGLE-2's draft tree (`EagleTree`; top-k, no sampling) from each row's last committed output
+        hidden [R, H]: level 1 is the topk most likely tokens; each later level runs the
+        previous level's topk nodes as one step (each at position length + depth - 1, seeing
+        the committed slots, its ancestors and itself) and scores their topk children by
+        path log-probability, keeping the topk best as the next level. Of all nodes drafted,
+        the num_draft_tokens - 1 best-scored are returned in drafting order (a node after
+        its parent: a parent scores at least as high and wins ties by coming first).
+
+        Returns (tokens [R, n], parents [R, n]: each node's parent as an index into [anchor,
+        nodes] (0: the anchor), depths [R, n] (1: the anchor's children)). Like the chain's
+        steps, the levels' K/V sit after the rows' lengths, which stay unchanged."""
+        k, rows = tree.topk, hidden.shape[0]
+        device = hidden.device
+        logp = torch.log_softmax(self.draft_logits(hidden), -1)
+        score, ids = logp.topk(k, -1)                                         # [R, k]
+        tokens, scores, parents = [self.vocabulary[ids]], [score], [torch.full_like(ids, -1)]
+        frontier = torch.arange(k, device=device).expand(rows, k)           # candidate index of each level node
+        level_tokens, level_hidden = tokens[0], hidden.unsqueeze(1).expand(rows, k, hidden.shape[-1])
+        sees = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)   # [R, k, slots so far]
+        for step in range(1, tree.num_steps):
+            out = self._tree_level(cache, level_tokens, level_hidden, step, sees, embed)
+            logp = torch.log_softmax(self.draft_logits(out), -1)            # [R, k, Vd]
+            child_logp, child_ids = logp.topk(k, -1)                        # [R, k, k]
+            child_score = (score.unsqueeze(-1) + child_logp).flatten(1)     # [R, k*k]
+            first = sum(t.shape[1] for t in tokens)                         # candidate index of the first child
+            tokens.append(self.vocabulary[child_ids].flatten(1))
+            scores.append(child_score)
+            parents.append(frontier.repeat_interleave(k, dim=1))
+            if step + 1 == tree.num_steps:
+                break
+            score, best = child_score.topk(k, -1)                            # the next level: [R, k]
+            parent = best // k                                              # which level node it extends
+            frontier = first + best
+            level_tokens = tokens[-1].gather(1, best)
+            level_hidden = out.gather(1, parent.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+            grown = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)
+            sees = torch.cat([sees.gather(1, parent.unsqueeze(-1).expand(-1, -1, sees.shape[-1])), grown], -1)
+        depths = torch.cat([torch.full_like(t, d + 1) for d, t in enumerate(tokens)], 1)
+        return _best_nodes(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1), depths,
+                           tree.num_draft_tokens - 1)
+
+    def _tree_level(self, cache: KVCache, tokens: torch.Tensor, hidden: torch.Tensor, step: int, sees: torch.Tensor,
+                    embed: nn.Embedding) -> torch.Tensor:
+        """One tree level: tokens [R, k] with their parents' outputs hidden [R, k, H], at depth
+        `step` (position length + step - 1), K/V in slots length + (step - 1) * k + j; sees
+        [R, k, step * k]: which of the tree's slots so far each node attends to (its
+        ancestors and itself). Returns the nodes' outputs [R, k, H]."""
+        rows, k = tokens.shape
+        width = step * k
+        upto = cache.check_room(width) + width
+        lengths = cache.lengths
+        slots = cache.positions(width)[:, width - k:]
+        positions = (lengths + step - 1).unsqueeze(1).expand(rows, k)
+        rel = torch.arange(upto, device=tokens.device).unsqueeze(0) - lengths.unsqueeze(1)   # [R, upto]
+        in_tree = (rel >= 0) & (rel < width)
+        tree_keys = sees.gather(2, rel.clamp(0, width - 1).unsqueeze(1).expand(rows, k, upto))
+        mask = ((rel < 0).unsqueeze(1) | (in_tree.unsqueeze(1) & tree_keys)).unsqueeze(1)   # [R, 1, k, upto]
+        return self._cached(tokens, hidden, embed, cache, slots, upto, mask, positions)
+
     # -- training: the unrolled training-time test -----------------------------------
     def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                  mask: torch.Tensor, embed: nn.Embedding, checkpoint_steps: bool = False) -> list[torch.Tensor]:
@@ -217,6 +281,19 @@ class Eagle3Draft(nn.Module):
         q, k, v = attn.project_qkv(x, cos, sin)
         out = layer.finish(attn.output(unrolled_attention(q, [*keys, k], [*values, v], mask)), residual)
         return out, k, v
+
+
+def _best_nodes(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, n: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The n best-scored of every row's candidates [R, C] (drafting order; parents [R, C]
+    as candidate indices, -1: the anchor), kept in drafting order: (tokens, parents as
+    indices into [anchor, kept nodes], depths) [R, n]. A stable sort keeps a parent
+    before a child of equal score, so every kept node's parent is kept."""
+    keep = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values
+    rows, c = scores.shape
+    index = torch.zeros(rows, c + 1, dtype=torch.long, device=scores.device)   # candidate + 1 -> kept node + 1
+    index.scatter_(1, keep + 1, torch.arange(1, n + 1, device=scores.device).expand(rows, n))
+    return tokens.gather(1, keep), index.gather(1, parents.gather(1, keep) + 1), depths.gather(1, keep)
 
 
 def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

@@ -113,8 +113,10 @@ class TargetModel(nn.Module):
         `capture`: decoder layer ids whose outputs are concatenated into `features`.
         `logits_at` [B, K]: compute logits only at these positions of the block.
         `mask`: overrides the attention mask (cache-free training uses it).
-        `positions` [B, T]: cache-free only, each token's RoPE position (packed training rows
-        restart at 0 per sequence; pass the block-diagonal causal `mask` with them).
+        `positions` [B, T]: each token's RoPE position. Cache-free: packed training rows restart
+        at 0 per sequence (pass the block-diagonal causal `mask` with them). With a cache (and
+        the `mask` that goes with them): a draft tree's nodes, written at the next slots but
+        each at its own depth (decoding/tree.py).
         `output`: "logits" (default); "hidden": the final normed states, no lm_head (a trainer
         projects them in chunks); "features": only the captured layers, the layers after the
         deepest captured one are not run (cache-free only: a cache would miss their K/V).
@@ -123,8 +125,8 @@ class TargetModel(nn.Module):
             raise ValueError(f"output must be logits, hidden or features, got {output!r}")
         if output == "features" and (cache is not None or not capture):
             raise ValueError('output="features" needs capture and no cache')
-        if positions is not None and cache is not None:
-            raise ValueError("positions are for the cache-free forward only")
+        if positions is not None and cache is not None and mask is None:
+            raise ValueError("positions with a cache need the mask that goes with them (a draft tree's)")
         b, t = input_ids.shape
         h = self.embed_tokens(input_ids)
         seq_len = None  # per-token sequence length, for length-dependent RoPE only
@@ -139,8 +141,8 @@ class TargetModel(nn.Module):
                 seq_len = positions.new_full((1, 1), t)
         else:
             longest = cache.check_room(t)
-            positions = cache.positions(t)
-            slots = positions
+            slots = cache.positions(t)
+            positions = slots if positions is None else positions
             upto = longest + t if mask is None else mask.shape[-1]
             if self.rotary.rope.length_dependent:
                 # A row started by this call (its prompt) has the prompt's length; later

@@ -124,8 +124,8 @@ def resolve_speculation(args: argparse.Namespace) -> Speculation:
     if method is None:  # a draft without a method runs the method its head supports
         method = "ar" if draft is None else draft_method(Path(draft))
     if args.speculative_eagle_topk not in (None, 1):
-        raise BlockspecError(f"--speculative-eagle-topk {args.speculative_eagle_topk}: blockspec drafts EAGLE-3 "
-                             "chains (top-1); tree drafting is not supported")
+        raise BlockspecError(f"--speculative-eagle-topk {args.speculative_eagle_topk}: the engine (serve) drafts "
+                             "EAGLE-3 chains (topk 1) only; tree drafting runs in `blockspec generate`")
     for flag, value, needs in (("--speculative-dflash-block-size", args.speculative_dflash_block_size, "dflash"),
                                ("--speculative-dspark-block-size", args.speculative_dspark_block_size, "dspark"),
                                ("--speculative-num-steps", args.speculative_num_steps, "eagle3"),
@@ -309,7 +309,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-num-steps", type=int, default=None,
                    help="SGLang EAGLE: chained drafts per round (method eagle3)")
     g.add_argument("--speculative-eagle-topk", type=int, default=None,
-                   help="SGLang EAGLE: branching per step; blockspec drafts chains, so only 1")
+                   help="SGLang EAGLE: branching per step; serve drafts chains, so only 1 (trees: blockspec generate)")
     g.add_argument("--speculative-dflash-block-size", type=int, default=None,
                    help="z-lab block size (includes the anchor)")
     g.add_argument("--speculative-dspark-block-size", type=int, default=None, help="DeepSpec block size (drafts)")
