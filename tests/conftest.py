@@ -7,7 +7,8 @@ import os
 import torch
 import pytest
 
-from blockspec.config import DraftConfig, Eagle3Config, TargetConfig
+from blockspec.config import DraftConfig, Eagle3Config, SamplingParams, TargetConfig
+from blockspec.decoding.generate import generate
 from blockspec.models.draft import DraftModel
 from blockspec.models.eagle3 import Eagle3Draft
 from blockspec.models.target import TargetModel
@@ -70,9 +71,20 @@ RAGGED_PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 1
 
 def ar_greedy(target: TargetModel, prompts: list[list[int]], params) -> list[list[int]]:
     """Each prompt's plain AR greedy output, generated alone: what every speculative run must equal."""
-    from blockspec.decoding.generate import generate
-
     return [generate(target, [p], params).completions[0].tokens for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def target64() -> TargetModel:
+    """A float64 tiny target: batched and single-row runs agree to the last bit (a module's own
+    `target64` replaces it where it needs another)."""
+    return make_target(dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def ar_reference(target64) -> list[list[int]]:
+    """RAGGED_PROMPTS' AR greedy outputs, 24 tokens each (ignore EOS)."""
+    return ar_greedy(target64, RAGGED_PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
 
 
 def make_target(seed: int = 0, dtype: torch.dtype = torch.float32, **kw) -> TargetModel:
@@ -116,11 +128,6 @@ def make_eagle3(target: TargetModel, draft_vocab: int = 40, seed: int = 1, layer
 @pytest.fixture
 def target() -> TargetModel:
     return make_target()
-
-
-@pytest.fixture
-def target64() -> TargetModel:
-    return make_target(dtype=torch.float64)
 
 
 def write_tiny_target_dir(path, vocab: int = 64, seed: int = 0):

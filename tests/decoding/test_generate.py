@@ -16,7 +16,7 @@ from blockspec.decoding.prefill import padding_groups, prefill
 from blockspec.decoding.round import Forwards, Proposal, WrappedForwards
 from blockspec.errors import BlockspecError
 from blockspec import GenerateOptions, PolicyOptions
-from conftest import make_draft, make_target, oracle_tokens
+from conftest import make_draft, oracle_tokens
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 DRAFTS = [
@@ -26,17 +26,6 @@ DRAFTS = [
     ("deepspec", 4, "gated", True),
     ("deepspec", 4, "rnn", True),
 ]
-
-
-@pytest.fixture(scope="module")
-def target64():
-    return make_target(dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def ar_reference(target64):
-    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    return [generate(target64, [p], sp).completions[0].tokens for p in PROMPTS]
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])

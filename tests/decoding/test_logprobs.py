@@ -12,16 +12,11 @@ from blockspec import EngineOptions, PolicyOptions
 from blockspec.config import SamplingParams
 from blockspec.engine.engine import Engine
 from blockspec.decoding.generate import generate
-from conftest import make_draft, make_target
+from conftest import make_draft
 from test_generate import OracleForwards
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3, 3, 3]]
 TOP = 3
-
-
-@pytest.fixture(scope="module")
-def target64():
-    return make_target(dtype=torch.float64)
 
 
 def drafts(target):

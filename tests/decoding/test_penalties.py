@@ -52,11 +52,6 @@ def greedy_reference(target, prompt: list[int], p: SamplingParams) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def target64():
-    return make_target(dtype=torch.float64)
-
-
 def test_adjust_follows_the_drafts_position_by_position(target64):
     params = [SamplingParams(**PENALTIES[3]), SamplingParams(), SamplingParams(**PENALTIES[0])]
     histories = [([1, 2], [3, 3, 4]), ([5], [6]), ([7], [])]

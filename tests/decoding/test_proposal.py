@@ -22,20 +22,10 @@ from blockspec.decoding.round import Forwards, WrappedForwards
 from blockspec.errors import BlockspecError
 from blockspec.models.chain_draft import Eagle3Drafter
 from conftest import RAGGED_PROMPTS as PROMPTS
-from conftest import ar_greedy, make_draft, make_eagle3, make_target
+from conftest import make_draft, make_eagle3, make_target
 from lossless_stats import sampled_first_three
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def target64():
-    return make_target(dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def ar_reference(target64):
-    return ar_greedy(target64, PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])

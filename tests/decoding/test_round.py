@@ -17,14 +17,9 @@ from blockspec.decoding.round import propose
 from blockspec.decoding.sampling import RowSampler, verify, warp
 from blockspec.errors import BlockspecError
 from blockspec import GenerateOptions, PolicyOptions
-from conftest import make_draft, make_target
+from conftest import make_draft
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13]]
-
-
-@pytest.fixture(scope="module")
-def target64():
-    return make_target(dtype=torch.float64)
 
 
 def test_a_rows_draws_do_not_depend_on_how_far_its_neighbours_verify():

@@ -25,23 +25,13 @@ from blockspec.errors import BlockspecError
 from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.models.kv_cache import KVCache
 from conftest import RAGGED_PROMPTS as PROMPTS
-from conftest import ar_greedy, make_eagle3, make_target
+from conftest import make_eagle3, make_target
 from lossless_stats import chi_square_p, sampled_first_three
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 FIXED = PolicyOptions(adapt=False)
 TREES = [EagleTree(topk=1, num_steps=3, num_draft_tokens=4), EagleTree(topk=2, num_steps=3, num_draft_tokens=6),
          EagleTree(topk=4, num_steps=4, num_draft_tokens=12), EagleTree(topk=3, num_steps=1, num_draft_tokens=3)]
-
-
-@pytest.fixture(scope="module")
-def target64():
-    return make_target(dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def ar_reference(target64):
-    return ar_greedy(target64, PROMPTS, GREEDY)
 
 
 def tree_draft(target, tree: EagleTree) -> Eagle3Drafter:

@@ -21,16 +21,11 @@ from blockspec.engine.prefill_chunks import DEFAULT_CHUNK, chunk_size
 from blockspec.errors import BlockspecError
 from blockspec.serving.server import add_serve_arguments
 from blockspec.models.chain_draft import Eagle3Drafter
-from conftest import make_draft, make_eagle3, make_target
+from conftest import make_draft, make_eagle3
 
 LONG = [(7 * i + 3) % 60 + 1 for i in range(45)]     # 6 chunks of 8 (the last one 5 tokens)
 SHORT = [[5, 9, 2, 4], [11, 3]]
 CHUNK = 8
-
-
-@pytest.fixture(scope="module")
-def target64():
-    return make_target(dtype=torch.float64)
 
 
 def engine_for(target, method: str, chunk: int, max_running: int = 3) -> Engine:

@@ -45,11 +45,6 @@ WINDOWED = dict(layers=2, layer_types=("sliding_attention", "full_attention"), s
 
 
 @pytest.fixture(scope="module")
-def target64():
-    return make_target(dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
 def requests(target64):
     """(prompt, params, AR greedy reference); one request stops on a stop token mid-output."""
     out = []

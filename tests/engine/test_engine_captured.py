@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 import blockspec.engine.engine as engine_module
 from blockspec import EngineOptions, PolicyOptions
@@ -35,11 +34,6 @@ SCHED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0])
 GATED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0], draft_rows=[1, 2, 3], draft_times_s=[2.0, 3.0, 3.0],
                         draft_slot_times={1: [0.01, 2.0, 2.5]}, draft_window=3)
 CONFIGS = ["ar", "dflash", "dflash-gated", "dspark", "dspark-scheduled"]
-
-
-@pytest.fixture(scope="module")
-def target64():
-    return make_target(dtype=torch.float64)
 
 
 def engine(target, config: str, captured: bool, max_running: int = 3, chunk: int | None = None,
