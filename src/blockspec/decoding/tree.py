@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.models.attention import tree_mask
 from blockspec.models.kv_cache import KVCache
 
 
@@ -44,12 +45,7 @@ class TokenTree:
     def verify_mask(self, start: torch.Tensor, upto: int) -> torch.Tensor:
         """[R, 1, n+1, upto] bool (True: may attend) for [anchor, drafts] written at slots
         start[r] + i: every node sees its row's committed slots, its ancestors and itself."""
-        rows, n = self.parents.shape
-        rel = torch.arange(upto, device=start.device).unsqueeze(0) - start.unsqueeze(1)     # [R, upto]
-        in_tree = (rel >= 0) & (rel <= n)
-        index = rel.clamp(0, n).unsqueeze(1).expand(rows, n + 1, upto)
-        sees = self.ancestry().gather(2, index) & in_tree.unsqueeze(1)
-        return (sees | (rel < 0).unsqueeze(1)).unsqueeze(1)
+        return tree_mask(start, self.ancestry(), upto)
 
 
 def keep_path(cache: KVCache, start: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor) -> None:

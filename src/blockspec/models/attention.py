@@ -204,6 +204,17 @@ def band_mask(key_pos: torch.Tensor, first: torch.Tensor, width: int, window: in
     return KeyMask(dense=seen.unsqueeze(1))
 
 
+def tree_mask(lengths: torch.Tensor, sees: torch.Tensor, upto: int) -> torch.Tensor:
+    """A draft tree's queries over a cache: every row's committed slots [0, lengths[r]) plus
+    the tree's own slots lengths[r] + j that `sees` [R, T, W] marks (its ancestors and
+    itself). A dense [R, 1, T, upto] bool mask (True = may attend)."""
+    rows, queries, width = sees.shape
+    rel = torch.arange(upto, device=lengths.device).unsqueeze(0) - lengths.unsqueeze(1)   # [R, upto]
+    in_tree = (rel >= 0) & (rel < width)
+    tree_keys = sees.gather(2, rel.clamp(0, width - 1).unsqueeze(1).expand(rows, queries, upto))
+    return ((rel < 0).unsqueeze(1) | (in_tree.unsqueeze(1) & tree_keys)).unsqueeze(1)
+
+
 def append_mask(lengths: torch.Tensor, width: int, upto: int, fresh: bool) -> KeyMask:
     """Keys of `width` tokens appended causally after rows of `lengths` [R]: query t of row r
     sees slots <= lengths[r] + t of [0, upto). fresh (every row was empty): the block attends

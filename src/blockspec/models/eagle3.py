@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from blockspec.config import Eagle3Config, EagleTree
-from blockspec.models.attention import ALL_KEYS, append_mask, limit_mask
+from blockspec.models.attention import ALL_KEYS, append_mask, limit_mask, tree_mask
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.layers import (Attention, AttentionShape, CacheAccess, Linear, RMSNorm, RotaryEmbedding,
                                      SwiGLU)
@@ -235,11 +235,7 @@ class Eagle3Draft(nn.Module):
         lengths = cache.lengths
         slots = cache.positions(width)[:, width - k:]
         positions = (lengths + step - 1).unsqueeze(1).expand(rows, k)
-        rel = torch.arange(upto, device=tokens.device).unsqueeze(0) - lengths.unsqueeze(1)   # [R, upto]
-        in_tree = (rel >= 0) & (rel < width)
-        tree_keys = sees.gather(2, rel.clamp(0, width - 1).unsqueeze(1).expand(rows, k, upto))
-        mask = ((rel < 0).unsqueeze(1) | (in_tree.unsqueeze(1) & tree_keys)).unsqueeze(1)   # [R, 1, k, upto]
-        return self._cached(tokens, hidden, embed, cache, slots, upto, mask, positions)
+        return self._cached(tokens, hidden, embed, cache, slots, upto, tree_mask(lengths, sees, upto), positions)
 
     # -- training: the unrolled training-time test -----------------------------------
     def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
