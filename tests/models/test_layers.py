@@ -62,6 +62,22 @@ def test_packing_used_on_cpu_float32() -> None:
     assert lin64._fast.packed is None   # float64 keeps the exact reference GEMM
 
 
+def test_bf16_packing_where_onednn_has_bf16_kernels_and_rows_keep_their_bits() -> None:
+    """A bf16 Linear packs its weight where oneDNN has native bf16 kernels, and a row's output
+    bits do not depend on how many rows share the GEMM (bf16 speculative == AR relies on it)."""
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("no oneDNN bf16 kernels on this CPU: bf16 keeps the plain GEMM")
+    torch.manual_seed(0)
+    lin = Linear(96, 200, bias=False).bfloat16()
+    x = torch.randn(70, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        alone = lin(x[:1])
+        assert lin._fast.packed is not None and lin._fast.packed.dtype == torch.bfloat16
+        torch.testing.assert_close(alone.float(), F.linear(x[:1], lin.weight).float(), rtol=1e-2, atol=1e-2)
+        for rows in (2, 5, 16, 17, 64, 70):
+            assert torch.equal(lin(x[:rows])[:1], alone), rows
+
+
 # -- RoPE scaling and the sliding-window mask against transformers -----------------------
 
 ROPE_CASES = [

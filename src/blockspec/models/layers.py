@@ -202,24 +202,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-# CPU float32 inference runs its GEMMs through oneDNN with weights prepacked once
+# CPU inference runs its GEMMs through oneDNN with weights prepacked once: float32
 # (about 1.3x faster at 1 token and 1.3-2x at 4-64 tokens than the plain layout on
-# AVX2, see docs/results.md). It costs one extra copy of each packed weight;
-# BLOCKSPEC_PACKED_LINEAR=0 turns it off.
+# AVX2), and bfloat16 where oneDNN has native bf16 kernels (AVX512-BF16 / AMX: 1.5-2x
+# faster than the plain bf16 GEMM at 1-64 rows on a Zen 4; see docs/results.md). The
+# packed bf16 GEMM gives a row the same bits for 1 to 300 rows, as the plain one does
+# (tests/models/test_layers.py), which bf16 speculative == AR relies on (docs/design.md,
+# "Numerics"). It costs one extra copy of each packed weight; BLOCKSPEC_PACKED_LINEAR=0
+# turns it off.
 PACKED_LINEAR = os.environ.get("BLOCKSPEC_PACKED_LINEAR", "1") != "0"
 _PACK_BATCH_HINT = 64  # oneDNN picks its blocked layout for this many rows; fast from 1 to 256
 
 
 def _can_pack(w: torch.Tensor) -> bool:
-    return (PACKED_LINEAR and w.device.type == "cpu" and w.dtype == torch.float32
-            and torch.backends.mkldnn.is_available())
+    if not (PACKED_LINEAR and w.device.type == "cpu" and torch.backends.mkldnn.is_available()):
+        return False
+    return w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class FusedLinears:
     """One GEMM for several Linear layers that read the same input.
 
     Without gradients on the CPU the concatenated weight is built on first use
-    (prepacked for oneDNN in float32) and rebuilt if any part changes, tracked by
+    (prepacked for oneDNN in float32, and in bfloat16 where it has bf16 kernels) and rebuilt if any part changes, tracked by
     tensor version (so weights must change through ops that bump it: torch's fused AdamW
     does not, which is why the pretraining loop uses the plain one); checkpoints keep the
     separate Hugging Face tensors. On other
@@ -276,7 +281,7 @@ class FusedLinears:
             bias = torch.cat([l.bias for l in ls]) if ls[0].bias is not None else None
             return F.linear(x, torch.cat([l.weight for l in ls]), bias)
         self._refresh()
-        if self.packed is not None and x.dtype == torch.float32:
+        if self.packed is not None and x.dtype == self.packed.dtype:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
