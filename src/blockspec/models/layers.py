@@ -204,12 +204,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 # CPU inference runs its GEMMs through oneDNN with weights prepacked once: float32
 # (about 1.3x faster at 1 token and 1.3-2x at 4-64 tokens than the plain layout on
-# AVX2), and bfloat16 where oneDNN has native bf16 kernels (AVX512-BF16 / AMX: 1.5-2x
-# faster than the plain bf16 GEMM at 1-64 rows on a Zen 4; see docs/results.md). The
-# packed bf16 GEMM gives a row the same bits for 1 to 300 rows, as the plain one does
-# (tests/models/test_layers.py), which bf16 speculative == AR relies on (docs/design.md,
-# "Numerics"). It costs one extra copy of each packed weight; BLOCKSPEC_PACKED_LINEAR=0
-# turns it off.
+# AVX2), and bfloat16 where oneDNN has native bf16 kernels (AVX512-BF16 / AMX: on a
+# Zen 4, 1.0-1.7x faster than the plain bf16 GEMM per projection and 1.1-2.4x for the
+# lm_head, at 1-256 rows; docs/results.md, benchmarks/linear_kernels.py). The packed bf16
+# GEMM gives a row the same bits whatever the row count, as the plain one does (checked
+# there and in tests/models/test_layers.py), which bf16 speculative == AR relies on
+# (docs/design.md, "Numerics"). It costs one extra copy of each packed weight;
+# BLOCKSPEC_PACKED_LINEAR=0 turns it off.
 PACKED_LINEAR = os.environ.get("BLOCKSPEC_PACKED_LINEAR", "1") != "0"
 _PACK_BATCH_HINT = 64  # oneDNN picks its blocked layout for this many rows; fast from 1 to 256
 
@@ -224,10 +225,10 @@ class FusedLinears:
     """One GEMM for several Linear layers that read the same input.
 
     Without gradients on the CPU the concatenated weight is built on first use
-    (prepacked for oneDNN in float32, and in bfloat16 where it has bf16 kernels) and rebuilt if any part changes, tracked by
-    tensor version (so weights must change through ops that bump it: torch's fused AdamW
-    does not, which is why the pretraining loop uses the plain one); checkpoints keep the
-    separate Hugging Face tensors. On other
+    (prepacked for oneDNN in float32, and in bfloat16 where it has bf16 kernels) and
+    rebuilt if any part changes, tracked by tensor version (so weights must change
+    through ops that bump it: torch's fused AdamW does not, which is why the pretraining
+    loop uses the plain one); checkpoints keep the separate Hugging Face tensors. On other
     devices no concatenated copy is kept (it would double the attention and MLP
     weights in GPU memory: +8.4 GiB for an 8B model): the layers run one GEMM each.
     With gradients each layer runs on its own so autograd sees the real parameters."""
