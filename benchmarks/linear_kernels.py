@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from blockspec import embedded
 from blockspec.config import TargetConfig
-
-PACK_HINT = 64   # models/layers.py _PACK_BATCH_HINT
+from blockspec.models.layers import _PACK_BATCH_HINT as PACK_HINT   # the layout the models pack for
 
 
 def shapes() -> dict[str, tuple[int, int]]:
