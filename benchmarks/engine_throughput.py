@@ -4,8 +4,11 @@ next to fixed full windows, for greedy, temperature-1 and mixed workloads, measu
 side by side in one run; plus the process's peak resident memory.
 
     python benchmarks/engine_throughput.py [--concurrency 1,4,16,32] [--workloads greedy,t1]
-        [--mixed-at 16] [--repeats 3] [--methods ar,dflash,dspark[,eagle3,dflash-fixed,dspark-fixed,eagle3-fixed]]
-        [--dflash-draft DIR] [--dspark-draft DIR] [--eagle3-draft DIR]
+        [--mixed-at 16] [--repeats 3] [--methods ar,dflash,dspark[,eagle3,dflash-fixed,dspark-fixed,eagle3-fixed,
+        eagle3-tree]] [--dflash-draft DIR] [--dspark-draft DIR] [--eagle3-draft DIR] [--eagle3-tree 4,5,12]
+
+eagle3-tree: the EAGLE-3 draft drafting EAGLE-2's tree (topk, num_steps, num_draft_tokens as
+SGLang spells them) with the fixed policy, as `serve --no-adapt --speculative-eagle-topk ...` runs it.
 
 Drafts: the embedded ones unless a directory is given (e.g. an older draft to compare).
 
@@ -31,15 +34,16 @@ from pathlib import Path
 
 import torch
 
-from blockspec import Engine, PolicyOptions, SamplingParams, Tokenizer, embedded, load_target
+from blockspec import EagleTree, Engine, PolicyOptions, SamplingParams, Tokenizer, embedded, load_target
 from blockspec.bench.datasets import humaneval  # the bench's prompts: no bare trailing newline token
 from blockspec.loading import load_drafts
 
 # name -> (method, adaptive policy)
 ARMS = {"ar": ("ar", False), "dflash": ("dflash", True), "dspark": ("dspark", True), "eagle3": ("eagle3", True),
-        "dflash-fixed": ("dflash", False), "dspark-fixed": ("dspark", False), "eagle3-fixed": ("eagle3", False)}
+        "dflash-fixed": ("dflash", False), "dspark-fixed": ("dspark", False), "eagle3-fixed": ("eagle3", False),
+        "eagle3-tree": ("eagle3", False)}
 HEADERS = {"ar": "AR", "dflash": "DFlash", "dspark": "DSpark", "eagle3": "EAGLE-3", "dflash-fixed": "DFlash fixed",
-           "dspark-fixed": "DSpark fixed", "eagle3-fixed": "EAGLE-3 fixed"}
+           "dspark-fixed": "DSpark fixed", "eagle3-fixed": "EAGLE-3 fixed", "eagle3-tree": "EAGLE-3 tree"}
 WORKLOADS = ("greedy", "t1", "mixed")
 
 
@@ -50,9 +54,12 @@ def request_params(workload: str, count: int, new_tokens: int) -> list[SamplingP
     return [one(i) for i in range(count)]
 
 
-def build(target, drafts, name: str, conc: int) -> Engine:
+def build(target, drafts, name: str, conc: int, tree: EagleTree) -> Engine:
     method, adaptive = ARMS[name]
-    return Engine(target, drafts.get(method), method=method, max_running=conc, max_model_len=1024,
+    draft = drafts.get(method)
+    if name == "eagle3-tree":
+        draft = draft.with_tree(tree)
+    return Engine(target, draft, method=method, max_running=conc, max_model_len=1024,
                   policy=PolicyOptions(adapt=adaptive))
 
 
@@ -80,6 +87,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="interleaved runs per cell (median)")
     ap.add_argument("--waves", type=int, default=4, help="requests per cell = max(8, waves x concurrency)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--eagle3-tree", default="4,5,12",
+                    help="the eagle3-tree arm's topk,num_steps,num_draft_tokens (default: generate's fastest tree)")
     for kind in ("dflash", "dspark", "eagle3"):
         ap.add_argument(f"--{kind}-draft", default=None, help=f"{kind} draft directory (default: the embedded one)")
     args = ap.parse_args()
@@ -87,6 +96,10 @@ def main() -> None:
     workloads = [w for w in args.workloads.split(",") if w]
     if "ar" not in names or any(n not in ARMS for n in names) or any(w not in WORKLOADS for w in workloads):
         ap.error(f"--methods: a comma list of {', '.join(ARMS)} including ar; --workloads from {WORKLOADS}")
+    try:
+        tree = EagleTree(*(int(x) for x in args.eagle3_tree.split(",")))
+    except (TypeError, ValueError) as exc:
+        ap.error(f"--eagle3-tree: topk,num_steps,num_draft_tokens ({exc})")
     levels = [int(c) for c in args.concurrency.split(",")]
     cells_to_run = [(w, c) for w in workloads if w != "mixed" for c in levels]
     cells_to_run += [("mixed", int(c)) for c in args.mixed_at.split(",") if c] if args.mixed_at else []
@@ -100,7 +113,7 @@ def main() -> None:
     for workload, conc in cells_to_run:
         count = max(8, args.waves * conc)
         prompts, params = [pool[i % len(pool)] for i in range(count)], request_params(workload, count, args.new_tokens)
-        engines = {name: build(target, drafts, name, conc) for name in names}   # tables measured here, untimed
+        engines = {name: build(target, drafts, name, conc, tree) for name in names}   # tables measured here, untimed
         runs: dict[str, list[dict]] = {name: [] for name in names}
         for _ in range(args.repeats):  # side by side for this cell, interleaved
             for name in names:
@@ -119,7 +132,8 @@ def main() -> None:
     print(f"HumanEval prompts, {args.new_tokens} new tokens (ignore EOS), float32, {torch.get_num_threads()} "
           "threads; tok/s, median of the repeats (tau incl. bonus; share of request-rounds that drafted); "
           "DFlash / DSpark / EAGLE-3 = the default adaptive policy (draft gate per temperature band, DSpark "
-          "scheduled), fixed = every round drafts and verifies the full window")
+          f"scheduled), fixed = every round drafts and verifies the full window; EAGLE-3 tree = topk "
+          f"{tree.topk}, {tree.num_steps} levels, {tree.num_draft_tokens} tokens verified, fixed policy")
     print(f"median of {args.repeats} interleaved run(s) per cell; max(8, {args.waves} x concurrency) requests per "
           "cell; one engine per arm for the cell's repeats (the first repeat includes the policy's learning)")
     spec = [n for n in names if n != "ar"]

@@ -65,6 +65,33 @@ def oracle_tokens(tokens: torch.Tensor, draft_cache, anchors: torch.Tensor, refe
     return tokens
 
 
+def plant_path(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, cont: list[int],
+               generator: torch.Generator, vocab: int, corrupt: bool = False) -> list[int]:
+    """Test oracles' draft trees: one row's reference continuation `cont` planted along the
+    path to a random deepest node (tokens [n], parents / depths [n] as `TokenTree` has them;
+    nodes numbered from 1), the path's middle node corrupted when `corrupt`, siblings kept
+    distinct tokens as the draft makes them. Returns the path's nodes, shallowest first."""
+    deepest = torch.nonzero(depths == depths.max()).flatten()
+    node = int(deepest[torch.randint(len(deepest), (1,), generator=generator)]) + 1
+    path = []
+    while node:
+        path.append(node)
+        node = int(parents[node - 1])
+    path.reverse()
+    for depth, node in enumerate(path[:len(cont)], start=1):
+        tokens[node - 1] = cont[depth - 1]
+    if corrupt:
+        node = path[len(path) // 2]
+        tokens[node - 1] = (tokens[node - 1] + 1) % vocab
+    for node in path:
+        group = torch.nonzero(parents == parents[node - 1]).flatten().tolist()
+        for s in group:
+            if s != node - 1 and int(tokens[s]) == int(tokens[node - 1]):
+                used = {int(tokens[j]) for j in group}
+                tokens[s] = next(t for t in range(vocab) if t not in used)
+    return path[:len(cont)]
+
+
 # Ragged prompts for greedy-equality tests of speculative decoding against AR.
 RAGGED_PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from blockspec import Engine, GenerateOptions, PolicyOptions
+from blockspec import Engine, EngineOptions, GenerateOptions, PolicyOptions
 from blockspec.config import EagleTree, SamplingParams
 from blockspec.decoding.generate import generate
 from blockspec.decoding.proposal import Proposal
@@ -25,7 +25,7 @@ from blockspec.errors import BlockspecError
 from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.models.kv_cache import KVCache
 from conftest import RAGGED_PROMPTS as PROMPTS
-from conftest import make_eagle3, make_target
+from conftest import make_eagle3, make_target, plant_path
 from lossless_stats import chi_square_p, sampled_first_three
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -76,30 +76,10 @@ class PlantedPaths(WrappedForwards):
                                          torch.tensor([n]), 1, self.target.embed_tokens)
             assert int(tokens[r, 0]) == int(first[0, 0]), f"row {r} at {n} positions"
             self.checked += 1
-            self._plant(tokens[r], tree.parents[r], tree.depths[r], self.full[r][len(seq):])
+            path = plant_path(tokens[r], tree.parents[r], tree.depths[r], self.full[r][len(seq):], self.rng,
+                              self.target.config.vocab_size, corrupt=next(self.calls) % 3 == 0)
+            self.off_diagonal += sum(node != depth for depth, node in enumerate(path, start=1))
         return Proposal(tokens, None, None, tree=tree)
-
-    def _plant(self, tokens, parents, depths, cont: list[int]) -> None:
-        deepest = torch.nonzero(depths == depths.max()).flatten()
-        node = int(deepest[torch.randint(len(deepest), (1,), generator=self.rng)]) + 1
-        path = []
-        while node:
-            path.append(node)
-            node = int(parents[node - 1])
-        path.reverse()
-        for depth, node in enumerate(path[:len(cont)], start=1):
-            tokens[node - 1] = cont[depth - 1]
-            self.off_diagonal += node != depth
-        vocab = self.target.config.vocab_size
-        if next(self.calls) % 3 == 0:
-            node = path[len(path) // 2]
-            tokens[node - 1] = (tokens[node - 1] + 1) % vocab
-        for node in path:   # siblings stay distinct tokens, as the draft makes them
-            group = torch.nonzero(parents == parents[node - 1]).flatten().tolist()
-            for s in group:
-                if s != node - 1 and int(tokens[s]) == int(tokens[node - 1]):
-                    used = {int(tokens[j]) for j in group}
-                    tokens[s] = next(t for t in range(vocab) if t not in used)
 
 
 def planted(target, prompts: list[list[int]], reference: list[list[int]]) -> tuple[GenerateOptions, list]:
@@ -239,8 +219,18 @@ def test_what_trees_refuse(target64):
         generate(target64, prompt, GREEDY, draft=draft)
     with pytest.raises(BlockspecError, match="compile"):
         generate(target64, prompt, GREEDY, draft=draft, policy=FIXED, options=GenerateOptions(compile=True))
-    with pytest.raises(BlockspecError, match="engine"):
-        Engine(target64, draft, "eagle3", policy=FIXED)
+    with pytest.raises(BlockspecError, match="--no-adapt"):
+        Engine(target64, draft, "eagle3")
+    engine = Engine(target64, draft, "eagle3", policy=FIXED, max_running=2, max_model_len=32)
+    with pytest.raises(BlockspecError, match="penalties"):
+        engine.submit(PROMPTS[0], SamplingParams(repetition_penalty=1.2, max_new_tokens=4))
+    matching = Engine(target64, draft, "eagle3", policy=FIXED, max_running=2, max_model_len=32,
+                      options=EngineOptions(rule="match"))
+    with pytest.raises(BlockspecError, match="--rule match runs chains only"):
+        matching.submit(PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=4))
+    assert engine.metrics()["rejected"] == matching.metrics()["rejected"] == 1 and not engine.has_work
+    with pytest.raises(BlockspecError, match="compile"):
+        Engine(target64, draft, "eagle3", policy=FIXED, options=EngineOptions(compile=True))
     with pytest.raises(BlockspecError, match="no block size"):
         draft.with_block_size(4)
     with pytest.raises(BlockspecError, match="exceeds the draft's vocabulary of 40"):

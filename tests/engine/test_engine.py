@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from blockspec import EngineOptions, PolicyOptions
-from blockspec.config import SamplingParams
+from blockspec.config import EagleTree, SamplingParams
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import generate
 from blockspec.decoding.prefill import prefill
@@ -25,7 +25,7 @@ from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
 from lossless_stats import chi_square_p, exact_first_three
 from blockspec.models.chain_draft import Eagle3Drafter
-from conftest import make_draft, make_eagle3, make_target, oracle_tokens
+from conftest import make_draft, make_eagle3, make_target, oracle_tokens, plant_path
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [4, 4, 4, 4],
            [20, 21, 22], [30, 31, 32, 33, 34, 35], [40, 2]]
@@ -39,7 +39,9 @@ SCHED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0])
 GATED_TABLE = CostTable([1, 8, 64], [1.0, 1.3, 5.0], draft_rows=[1, 2, 3], draft_times_s=[2.0, 3.0, 3.0],
                         draft_slot_times={1: [0.01, 2.0, 2.5]}, draft_window=3)
 CONFIGS = ["ar", "dflash", "dspark", "dspark-scheduled", "dspark-gated", "dflash-gated", "dflash-auto", "dspark-auto",
-           "eagle3", "eagle3-auto", "dflash-window", "dspark-window"]
+           "eagle3", "eagle3-auto", "eagle3-tree", "dflash-window", "dspark-window"]
+# An EAGLE-3 draft tree: 3 levels of the 3 best nodes' 3 children, its 6 best nodes verified.
+TREE = EagleTree(topk=3, num_steps=3, num_draft_tokens=7)
 # Sliding-window drafts (issue 34): a window of 3 over prompts + outputs of up to 31 positions.
 WINDOWED = dict(layers=2, layer_types=("sliding_attention", "full_attention"), sliding_window=3)
 
@@ -62,6 +64,9 @@ def requests(target64):
 def build(target, config: str, block_size: int = 4, max_running: int = 3, max_model_len: int = 64,
           kv_memory_gb: float | None = None, **kw) -> Engine:
     kw.update(max_running=max_running, max_model_len=max_model_len, options=EngineOptions(kv_memory_gb=kv_memory_gb))
+    if config == "eagle3-tree":
+        return Engine(target, Eagle3Drafter.pair(make_eagle3(target), target).with_tree(TREE), "eagle3",
+                      policy=PolicyOptions(adapt=False), **kw)
     if config.startswith("eagle3"):   # a chain of block_size - 1 drafts; -auto: the adaptive policy
         draft = Eagle3Drafter.pair(make_eagle3(target), target, block_size - 1)
         return Engine(target, draft, "eagle3", policy=None if config.endswith("-auto") else PolicyOptions(adapt=False),
@@ -125,6 +130,7 @@ def drive(engine: Engine, requests, seed: int, cancel_waiting: int = 2, cancel_r
 def test_greedy_with_arrivals_and_cancellations_equals_ar(monkeypatch, target64, requests, config):
     engine = build(target64, config)
     packed = count_calls(monkeypatch, target64, "forward_packed")
+    trees = count_calls(monkeypatch, engine.forwards, "tree_forward")
     proposals = count_calls(monkeypatch, engine.forwards, "propose")
     handles, streamed = drive(engine, requests, seed=7)
     for i, (_, _, ref) in enumerate(requests):
@@ -142,8 +148,10 @@ def test_greedy_with_arrivals_and_cancellations_equals_ar(monkeypatch, target64,
     assert m["kv_bytes_total"] == 3 * m["kv_bytes_per_slot"] > 0
     assert (m["finished"], m["cancelled"]) == (6, 2)
     assert m["generated_tokens"] == sum(len(h.result().tokens) for h in handles.values())
-    # ONE packed target forward and (speculative methods) ONE draft proposal per round.
-    assert packed[0] == m["rounds"] and proposals[0] == m["drafting_rounds"]
+    # ONE packed target forward (a tree's: ONE tree forward) and (speculative methods) ONE
+    # draft proposal per round.
+    assert (trees if config == "eagle3-tree" else packed)[0] == m["rounds"] and packed[0] + trees[0] == m["rounds"]
+    assert proposals[0] == m["drafting_rounds"]
     if config == "ar":
         assert m["drafting_rounds"] == 0
     elif config.endswith("-gated"):  # the gate really skipped some drafts and kept others
@@ -193,6 +201,50 @@ def test_long_accepted_runs_stop_inside_runs(monkeypatch, target64, requests, co
     assert m["tau"] > 2.0 and max(m["accepted_histogram"]) >= 5   # runs of 5 drafts + bonus
     if config == "dspark-scheduled":
         assert len(m["verified_histogram"]) >= 4 and 0 in m["verified_histogram"]
+
+
+class TreeOracle(WrappedForwards):
+    """Plants each row's reference continuation (found by position + anchor) along a random
+    deepest path of its draft tree, corrupting the path on every third row proposal: long
+    paths off the tree's first nodes are accepted, so their K/V move in the pool's rows."""
+
+    def __init__(self, inner: Forwards, full_sequences: list[list[int]]) -> None:
+        super().__init__(inner)
+        self.full_sequences, self.calls = full_sequences, itertools.count(1)
+        self.rng, self.off_diagonal = torch.Generator().manual_seed(0), 0
+        self.anchors = torch.zeros(0, dtype=torch.long)   # the round's, set by `propose`
+
+    def draft_tree(self, draft, draft_cache, sampler):
+        proposal = self.inner.draft_tree(draft, draft_cache, sampler)
+        tree, vocab = proposal.tree, draft.model.config.vocab_size
+        tokens = proposal.tokens.clone()
+        for r in range(tokens.shape[0]):
+            depth = int(tree.depths[r].max())
+            p = int(draft_cache.lengths[r])   # the anchor's position: the draft holds what precedes it
+            cont = next((seq[p + 1:p + 1 + depth] for seq in self.full_sequences if p < len(seq)
+                         and seq[p] == int(self.anchors[r])), [])
+            path = plant_path(tokens[r], tree.parents[r], tree.depths[r], cont, self.rng, vocab,
+                              corrupt=next(self.calls) % 3 == 0)
+            self.off_diagonal += sum(node != d for d, node in enumerate(path, start=1))
+        return Proposal(tokens, None, None, tree=tree)
+
+    def propose(self, draft, target, draft_cache, anchors, sampler, block=None, stop_below=0.0,
+                confidence_map=None):
+        self.anchors = anchors
+        return super().propose(draft, target, draft_cache, anchors, sampler, block, stop_below, confidence_map)
+
+
+def test_tree_paths_off_the_first_nodes_are_kept_in_the_pools_rows(target64, requests):
+    """Requests arriving and leaving while planted tree paths are accepted: the K/V of each
+    accepted path move into place inside the pool's rows, and every output equals AR."""
+    full = [prompt + ref.tokens for prompt, _, ref in requests]
+    engine = build(target64, "eagle3-tree", max_running=4)
+    engine.forwards = oracle = TreeOracle(engine.forwards, full)
+    handles, _ = drive(engine, requests, seed=3, cancel_waiting=-1, cancel_running=-1)
+    assert [handles[i].result().tokens for i in range(len(requests))] == [ref.tokens for _, _, ref in requests]
+    m = engine.metrics()
+    assert m["tau"] > 2.0 and max(m["accepted_histogram"]) >= 3 and oracle.off_diagonal >= 10
+    assert m["kv_bytes_in_use"] == 0 and m["finished"] == len(requests)
 
 
 @pytest.mark.parametrize("config", ["dflash", "dspark"])
@@ -327,8 +379,10 @@ def sampling_engine(target, method: str, calibrate: bool = True) -> Engine:
     if method == "dflash":
         return Engine(target, make_draft(target, "zlab", 4, seed=5), "dflash", max_running=1024, max_model_len=24,
                       policy=PolicyOptions(adapt=False))
-    if method == "eagle3":   # a draft vocabulary of 8 of the 12 tokens: q = 0 on the other 4
+    if method.startswith("eagle3"):   # a draft vocabulary of 8 of the 12 tokens: q = 0 on the other 4
         draft = Eagle3Drafter.pair(make_eagle3(target, draft_vocab=8, seed=5), target, 3)
+        if method == "eagle3-tree":   # recursive rejection over 3 siblings per node, 2 levels
+            draft = draft.with_tree(EagleTree(3, 2, 7))
         return Engine(target, draft, "eagle3", max_running=1024, max_model_len=24, policy=PolicyOptions(adapt=False))
     if method == "dflash-gated":
         table = CostTable([1, 10000], [1.0, 51.0], draft_rows=[1, 10000], draft_times_s=[0.01, 500.0],
@@ -347,6 +401,7 @@ def sampling_engine(target, method: str, calibrate: bool = True) -> Engine:
 @pytest.mark.parametrize("method, params", [
     ("dflash", SamplingParams(temperature=1.0)),
     ("eagle3", SamplingParams(temperature=1.0)),
+    ("eagle3-tree", SamplingParams(temperature=0.7, top_k=5)),
     ("dspark-scheduled", SamplingParams(temperature=0.7, top_p=0.8)),
     ("dspark-scheduled-uncalibrated", SamplingParams(temperature=0.7, top_p=0.8)),
     ("dspark-gated", SamplingParams(temperature=1.0, top_k=6)),
@@ -365,6 +420,8 @@ def test_batched_sampling_follows_target_distribution(target12, method, params):
         assert len(m["verified_histogram"]) == 4 and m["verified_histogram"][0] > m["verified_histogram"][2] > 100
     if method.endswith("-gated"):
         assert 0 < m["undrafted_request_rounds"] < m["request_rounds"]
+    if method == "eagle3-tree":   # drafts were accepted: the rule, not the fallback, made the tokens
+        assert m["tau"] > 1.15
 
 
 def test_lossy_verifier_is_detected_under_batching(target12, monkeypatch):

@@ -8,13 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.config import DraftConfig, TargetConfig
+from blockspec.config import DraftConfig, EagleTree, TargetConfig
 from blockspec.engine.memory import (DEFAULT_UTILIZATION, GIB, KVShapes, activation_reserve, kv_budget,
                                        plan_kv)
 from blockspec.engine.slots import SlotPool
 from blockspec.errors import BlockspecError
+from blockspec.models.chain_draft import Eagle3Drafter
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
+from conftest import make_eagle3, make_target
 
 # Shape fields of Qwen/Qwen3-8B and meta-llama/Llama-3.1-8B config.json (bfloat16).
 QWEN3_8B = TargetConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -167,3 +169,18 @@ def test_a_windowed_draft_counts_only_its_window(types):
     allocated = pool.cache.nbytes + pool.draft_cache.nbytes
     assert allocated + plan.slots * windowed.pending_bytes == plan.total_bytes
     assert pool.draft_cache.nbytes == plan.slots * windowed.draft_kv_bytes(length)   # the draft's share alone
+
+
+def test_a_draft_tree_slot_holds_its_expanded_levels():
+    """An EAGLE-3 tree's levels take (num_steps - 1) x topk draft positions after a row's
+    committed ones: the plan counts exactly what the pool allocates."""
+    target = make_target()
+    chain = Eagle3Drafter.pair(make_eagle3(target), target, 6)
+    tree = chain.with_tree(EagleTree(topk=4, num_steps=5, num_draft_tokens=7))   # 6 drafts, as the chain
+    shapes = {d: KVShapes.of(target.config, target.dtype, d.config, d.dtype) for d in (chain, tree)}
+    assert shapes[tree].draft_scratch_positions == 16 and shapes[chain].draft_scratch_positions == 0
+    per_position = shapes[chain].draft_per_position
+    assert shapes[tree].slot_bytes(40) - shapes[chain].slot_bytes(40) == 16 * per_position
+    plan = plan_kv(shapes[tree], 10 * shapes[tree].slot_bytes(40), 3, 40)
+    pool = SlotPool(target, tree, plan)
+    assert pool.cache.nbytes + pool.draft_cache.nbytes + plan.slots * shapes[tree].pending_bytes == plan.total_bytes

@@ -269,14 +269,14 @@ def test_eagle3_lines_chain_seven_drafts_and_start_blockspec_serve(models, capsy
 
 def test_eagle3_line_refusals(models, tmp_path, capsys):
     """No confidence head to schedule with; another target is refused; SGLang's tree spelling
-    (top-k > 1) is refused by blockspec serve in one line."""
+    (top-k > 1) without the tree's size is refused by blockspec serve in one line."""
     code, _, err = run_cli(capsys, "launch-line", str(models / "eagle3"), "--engine", "vllm", "--scheduled")
     assert code == 2 and "EAGLE-3 drafts have none" in err
     write_tiny_target_dir(tmp_path / "other", vocab=80)
     code, _, err = run_cli(capsys, "launch-line", str(models / "eagle3"), "--engine", "sglang",
                            "--target", str(tmp_path / "other"))
     assert code == 2 and "vocab_size" in err
-    with pytest.raises(BlockspecError, match="engine \\(serve\\) drafts EAGLE-3 chains"):
+    with pytest.raises(BlockspecError, match="give its --speculative-num-steps and --speculative-num-draft-tokens"):
         build_engine(serve_args("--target", str(models / "target"), "--speculative-algorithm", "EAGLE3",
                                 "--speculative-draft-model-path", str(models / "eagle3"),
                                 "--speculative-eagle-topk", "4"))

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from blockspec.errors import BlockspecError
-from blockspec.config import GenerationDefaults, SamplingParams
+from blockspec.config import EagleTree, GenerationDefaults, SamplingParams
 from blockspec.serving.server import build_engine, resolve_speculation, warn_ignored
 from serving_harness import serve_args, write_models
 from test_api import _up, free_port, wait_for
@@ -125,6 +125,24 @@ def eagle3_dir(dirs, tmp_path_factory):
     path = tmp_path_factory.mktemp("eagle3") / "draft"
     save_eagle3(make_eagle3(load_target(dirs[0], dtype="float32")), path)
     return str(path)
+
+
+def test_sglang_tree_flags_build_a_tree_engine(dirs, eagle3_dir):
+    """SGLang's EAGLE tree spelling serves a tree (fixed policy); what cannot be, refused in one line."""
+    tree = ["--model-path", dirs[0], "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", eagle3_dir,
+            "--speculative-eagle-topk", "3", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "7",
+            "--context-length", "64", "--kv-memory-gb", "0.01"]
+    engine, _, _ = build_engine(serve_args(*tree, "--no-adapt"))
+    assert engine.draft.config.tree == EagleTree(3, 3, 7) and engine.draft.config.num_drafts == 6
+    out = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert [len(c.tokens) for c in out] == [8, 8] and engine.metrics()["drafting_rounds"] > 0
+    for extra, message in [([], "--no-adapt"), (["--no-adapt", "--speculative-config", '{"num_speculative_tokens": 3}'],
+                                                 "drop num_speculative_tokens"),
+                           (["--no-adapt", "--block-size", "4"], "drop --block-size")]:
+        with pytest.raises(BlockspecError, match=message):
+            build_engine(serve_args(*tree, *extra))
+    with pytest.raises(BlockspecError, match="--speculative-num-draft-tokens too"):
+        build_engine(serve_args(*tree[:10], "--context-length", "64", "--no-adapt"))
 
 
 @pytest.mark.parametrize("line", [

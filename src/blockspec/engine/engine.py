@@ -5,7 +5,9 @@ step runs ONE round (`round.speculative_round`) for every running request: one
 draft forward and one packed target forward, in which every request verifies
 its own number of drafts (`round.PackedForwards`), as the round policy
 (`policy.RoundPolicy`: draft gate, DSpark planner, confidence recalibration, early
-stop) decides.
+stop) decides. An EAGLE-3 draft tree (`--speculative-eagle-topk` > 1, fixed policy) verifies
+every row's whole tree in one forward under its tree mask instead
+(`Forwards.verify_tree_and_commit`), rows of any length side by side.
 
 With `EngineOptions(compile=True)` (`serve --compile`) the rounds' forwards are captured
 static-shape steps over the pool's own buffers (decoding/captured.py: CUDA graphs on
@@ -30,9 +32,9 @@ import torch
 from blockspec.config import RULES, SamplingParams
 from blockspec.decoding.captured import MODES as CAPTURE_MODES, CapturedSteps
 from blockspec.decoding.context import DraftContext
-from blockspec.decoding.generate import check_method
+from blockspec.decoding.generate import check_method, check_tree
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
-from blockspec.decoding.policy import PolicyOptions, RoundPolicy, is_tree
+from blockspec.decoding.policy import PolicyOptions, RoundPolicy
 from blockspec.decoding.prefill import prefill
 from blockspec.decoding.round import Forwards, PackedForwards, RoundInputs, speculative_round
 from blockspec.decoding.sampling import RowSampler, new_generator
@@ -114,7 +116,8 @@ def round_strategy(slots: SlotPool, options: EngineOptions
     if not options.compile:
         return None, PackedForwards(), slots.pending
     if isinstance(slots.draft, Eagle3Drafter):
-        raise BlockspecError("compile (captured static steps) does not run EAGLE-3 chains yet; drop --compile")
+        raise BlockspecError("compile (captured static steps) does not run EAGLE-3 chains or trees yet; drop "
+                             "--compile")
     captured = CapturedSteps(slots.target, slots.draft, mode=options.capture_mode)
     captured.adopt(slots.cache, slots.draft_cache)
     return captured, captured.forwards(), captured.context() if slots.draft is not None else None
@@ -139,9 +142,6 @@ class Engine:
                  max_running: int = 32, max_model_len: int | None = None, tokenizer: Detokenizer | None = None,
                  policy: RoundPolicy | PolicyOptions | None = None, options: EngineOptions | None = None) -> None:
         check_method(method, draft)
-        if is_tree(draft):
-            raise BlockspecError("the engine (serve) drafts EAGLE-3 chains only; tree drafting (topk > 1) runs in "
-                                 "generate")
         options = options or EngineOptions()
         chunk = chunk_size(options.prefill_chunk_tokens, target.device)
         self.target, self.method, self.rule, self.tokenizer = target, method, options.rule, tokenizer
@@ -149,6 +149,7 @@ class Engine:
         if self.draft is not None:
             self.draft.config.check_target(target.config)
         self.policy = RoundPolicy.of(policy, target, self.draft, method, max_running)
+        check_tree(self.draft, [], self.policy, self.rule)
         # Slots x length from the memory free now (the weights are loaded): never
         # max_running x max_position_embeddings blindly.
         self.memory_plan = plan_for_models(target, self.draft, max_running, max_model_len, options.kv_memory_gb,
@@ -187,6 +188,7 @@ class Engine:
         try:
             prompt = check_request(prompt_ids, params, self.target.config.vocab_size, self.max_model_len,
                                    self.tokenizer is not None)
+            check_tree(self.draft, [params], self.policy, self.rule)   # what a draft tree cannot serve
         except BlockspecError:
             self.stats.count("rejected")
             raise

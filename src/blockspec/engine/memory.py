@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.config import DraftConfig, TargetConfig
+from blockspec.config import ChainDraftConfig, DraftConfig, TargetConfig
 from blockspec.errors import BlockspecError
 from blockspec.models.layers import FusedLinears
 
@@ -52,9 +52,10 @@ class KVShapes:
     pending_bytes: int          # buffered target features per slot (float32)
     model_max_len: int          # the target's supported length (max_position_embeddings, RoPE scaling included)
     draft_window_bytes: int = 0  # the draft's sliding layers: a fixed ring of window_span positions per slot
+    draft_scratch_positions: int = 0   # an EAGLE-3 tree's expanded levels, after a row's committed positions
 
     @classmethod
-    def of(cls, target: TargetConfig, target_dtype: torch.dtype, draft: DraftConfig | None = None,
+    def of(cls, target: TargetConfig, target_dtype: torch.dtype, draft: DraftConfig | ChainDraftConfig | None = None,
            draft_dtype: torch.dtype | None = None) -> "KVShapes":
         per_pos = cache_bytes(target.num_hidden_layers, target.num_key_value_heads, target.head_dim, target_dtype, 1)
         # The longest sequence the target supports: max_position_embeddings, scaled by RoPE scaling.
@@ -70,19 +71,21 @@ class KVShapes:
         dtype = draft_dtype or target_dtype
         draft_pos = cache_bytes(draft.num_hidden_layers - sliding, draft.num_key_value_heads, draft.head_dim, dtype, 1)
         ring = cache_bytes(sliding, draft.num_key_value_heads, draft.head_dim, dtype, draft.window_span) if sliding else 0
+        scratch = draft.tree.scratch_slots if isinstance(draft, ChainDraftConfig) and draft.tree is not None else 0
         return cls(per_pos, draft_pos, draft.block_size + 2, pending,
-                   pending * len(draft.target_layer_ids) * draft.hidden_size * 4, model_len, ring)
+                   pending * len(draft.target_layer_ids) * draft.hidden_size * 4, model_len, ring, scratch)
 
     def slot_bytes(self, max_model_len: int) -> int:
         return (self.target_per_position * (max_model_len + self.margin) + self.draft_kv_bytes(max_model_len)
                 + self.pending_bytes)
 
     def draft_kv_bytes(self, max_model_len: int) -> int:
-        """The draft's K/V in one slot: full layers over the slot's positions and the buffered
-        context, sliding layers their fixed ring."""
+        """The draft's K/V in one slot: full layers over the slot's positions, the buffered
+        context and a tree's scratch, sliding layers their fixed ring."""
         if not self.draft_per_position and not self.draft_window_bytes:
             return 0
-        return self.draft_per_position * (max_model_len + self.margin + self.pending_positions) + self.draft_window_bytes
+        positions = max_model_len + self.margin + self.pending_positions + self.draft_scratch_positions
+        return self.draft_per_position * positions + self.draft_window_bytes
 
     def longest_fitting(self, budget: int) -> int:
         """The longest max_model_len one slot of which fits in `budget` bytes (may be < 1)."""

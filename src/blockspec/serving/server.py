@@ -33,12 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockspec.config import DRAFT_METHODS, GenerationDefaults
-from blockspec.decoding.policy import PolicyOptions
+from blockspec.config import DRAFT_METHODS, EagleTree, GenerationDefaults
+from blockspec.decoding.policy import TREE_NEEDS_FIXED_POLICY, PolicyOptions
 from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.errors import BlockspecError
 from blockspec.loading import draft_method, load_models
-from blockspec.options import add_compile_flag, add_model_flags, add_policy_flags, load_options, policy_options
+from blockspec.options import (add_compile_flag, add_model_flags, add_policy_flags, eagle_shape, load_options,
+                               policy_options)
 from blockspec.serving.stats_log import INTERVAL_S as STATS_INTERVAL_S
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class Speculation:
     draft: str | None
     block_size: int | None   # in the draft's own convention
     num_drafts: int | None   # num_speculative_tokens: converted once the draft's layout is known
+    tree: EagleTree | None = None   # SGLang's EAGLE tree flags (topk > 1)
 
 
 def resolve_speculation(args: argparse.Namespace) -> Speculation:
@@ -123,9 +125,6 @@ def resolve_speculation(args: argparse.Namespace) -> Speculation:
                     speculative_config_method=cfg.get("method"))
     if method is None:  # a draft without a method runs the method its head supports
         method = "ar" if draft is None else draft_method(Path(draft))
-    if args.speculative_eagle_topk not in (None, 1):
-        raise BlockspecError(f"--speculative-eagle-topk {args.speculative_eagle_topk}: the engine (serve) drafts "
-                             "EAGLE-3 chains (topk 1) only; tree drafting runs in `blockspec generate`")
     for flag, value, needs in (("--speculative-dflash-block-size", args.speculative_dflash_block_size, "dflash"),
                                ("--speculative-dspark-block-size", args.speculative_dspark_block_size, "dspark"),
                                ("--speculative-num-steps", args.speculative_num_steps, "eagle3"),
@@ -136,6 +135,11 @@ def resolve_speculation(args: argparse.Namespace) -> Speculation:
                    speculative_dflash_block_size=args.speculative_dflash_block_size,
                    speculative_dspark_block_size=args.speculative_dspark_block_size)
     draft_tokens = args.speculative_num_draft_tokens
+    if args.speculative_eagle_topk not in (None, 1):   # an EAGLE-3 tree, read as `generate` reads it
+        if cfg.get("num_speculative_tokens") is not None:
+            raise BlockspecError("a tree's size is --speculative-num-draft-tokens; drop num_speculative_tokens")
+        _, tree = eagle_shape(method, block, args.speculative_eagle_topk, args.speculative_num_steps, draft_tokens)
+        return Speculation(method, draft, None, None, tree)
     if draft_tokens is not None and draft_tokens < 2:
         raise BlockspecError(f"--speculative-num-draft-tokens counts the anchor and the drafts: at least 2, "
                              f"got {draft_tokens}")
@@ -174,7 +178,9 @@ def build_engine(args: argparse.Namespace):
     policy = PolicyOptions(**policy_options(args), scheduled=args.scheduled,
                            draft_gate=True if args.draft_gate else None,
                            cost_table=args.cost_table or None)   # read after the models load
-    models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size,
+    if spec.tree is not None and (policy.adapt or policy.scheduled or policy.draft_gate):
+        raise BlockspecError(TREE_NEEDS_FIXED_POLICY)
+    models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size, tree=spec.tree,
                          chat_template=args.chat_template, **load_options(args))
     target, tokenizer, draft = models.target, models.tokenizer, models.draft
     # the server's request defaults, as the CLI's
@@ -307,9 +313,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="= --method")
     g.add_argument("--speculative-draft-model-path", default=None, help="= --draft")
     g.add_argument("--speculative-num-steps", type=int, default=None,
-                   help="SGLang EAGLE: chained drafts per round (method eagle3)")
+                   help="SGLang EAGLE: draft levels per round (method eagle3; a chain: its drafts)")
     g.add_argument("--speculative-eagle-topk", type=int, default=None,
-                   help="SGLang EAGLE: branching per step; serve drafts chains, so only 1 (trees: blockspec generate)")
+                   help="SGLang EAGLE: children per expanded node and nodes expanded per level; above 1 an EAGLE-3 "
+                        "draft tree (--no-adapt; needs --speculative-num-steps and --speculative-num-draft-tokens)")
     g.add_argument("--speculative-dflash-block-size", type=int, default=None,
                    help="z-lab block size (includes the anchor)")
     g.add_argument("--speculative-dspark-block-size", type=int, default=None, help="DeepSpec block size (drafts)")
