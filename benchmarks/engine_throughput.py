@@ -139,8 +139,8 @@ def main() -> None:
     spec = [n for n in names if n != "ar"]
     ratio_cols = [n for n in spec if ARMS[n][1]]
     both = "dflash" in names and "dspark" in names
-    print("| workload | concurrency | " + " | ".join(HEADERS[n] for n in names) + " | "
-          + " | ".join(f"{HEADERS[n]} / AR" for n in ratio_cols) + (" | DSpark / DFlash" if both else "") + " |")
+    headers = [HEADERS[n] for n in names] + [f"{HEADERS[n]} / AR" for n in ratio_cols] + ["DSpark / DFlash"] * both
+    print("| workload | concurrency | " + " | ".join(headers) + " |")
     print("|---" * (2 + len(names) + len(ratio_cols) + int(both)) + "|")
     for workload, conc, c in rows:
         tps = {n: c[n]["tokens_per_s"] for n in names}
