@@ -121,12 +121,17 @@ class PolicyOptions:
         if self.remeasure and (self.cost_table is not None or not self.adapt):
             raise BlockspecError("--remeasure-costs measures the cached cost table of the adaptive policy; it does "
                                  "nothing with --cost-table or --no-adapt")
-        if self.cost_table is not None and not (self.adapt or self.scheduled or self.draft_gate):
+        if self.cost_table is not None and not self.plans:
             raise BlockspecError("a cost table is used by the adaptive policy, scheduled verification and the "
                                  "draft gate only; drop --no-adapt or add --scheduled / --draft-gate")
         if self.draft_gate and self.cost_table is None and not self.adapt:
             raise BlockspecError("draft_gate needs a cost table when adapt is off (--draft-gate with --no-adapt "
                                  "needs --cost-table: blockspec profile --draft ...)")
+
+    @property
+    def plans(self) -> bool:
+        """Whether anything decides per round (adaptive, scheduled or gated): not the fixed policy."""
+        return bool(self.adapt or self.scheduled or self.draft_gate)
 
 
 TREE_NEEDS_FIXED_POLICY = ("EAGLE-3 tree drafting (topk > 1) verifies its whole tree every round; the adaptive "
@@ -186,7 +191,7 @@ class RoundPolicy:
         AR) over up to `rows` rows, as `options` say (`PolicyOptions`; default: adaptive).
         Checks that the table was measured for this target."""
         options = options or PolicyOptions()
-        if is_tree(draft) and (options.adapt or options.scheduled or options.draft_gate):
+        if is_tree(draft) and options.plans:
             raise BlockspecError(TREE_NEEDS_FIXED_POLICY)
         table, scheduled, draft_gate = options.cost_table, options.scheduled, options.draft_gate
         if isinstance(table, (str, Path)):

@@ -112,7 +112,10 @@ def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     differ by one bf16 ulp between the decode step and the verify forward, enough to flip a
     near-tied greedy argmax. Products of bf16 / fp16 values are exact in float64 and their
     sums over head_dim exact for any realistic range, so the scores carry no order; softmax
-    and P@V keep errors near 2^-50, far below the cast back to half precision (2^-9)."""
+    and P@V keep errors near 2^-50, far below the cast back to half precision (2^-9).
+    The cache stays in the model's dtype and is converted here, per layer and step: a
+    float64 cache (converting only the new keys) made a batch-16 bf16 decode step slower on
+    a 2-core Zen 4, since the step then reads four times the bytes from memory."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv  # query head h reads kv head h // g (enable_gqa's grouping)

@@ -178,7 +178,7 @@ def build_engine(args: argparse.Namespace):
     policy = PolicyOptions(**policy_options(args), scheduled=args.scheduled,
                            draft_gate=True if args.draft_gate else None,
                            cost_table=args.cost_table or None)   # read after the models load
-    if spec.tree is not None and (policy.adapt or policy.scheduled or policy.draft_gate):
+    if spec.tree is not None and policy.plans:
         raise BlockspecError(TREE_NEEDS_FIXED_POLICY)
     models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size, tree=spec.tree,
                          chat_template=args.chat_template, **load_options(args))
