@@ -9,25 +9,48 @@
 # Usage: bash recipes/train_drafts.sh [dflash] [dspark] [eagle3]   (default: dflash dspark)
 # The named drafts train side by side with one thread each, on the same data and
 # evaluation. Resumable: rerun after an interruption.
+# Another target (issue 35's campaign, e.g. a decay branch's runs/decay/best): TARGET=DIR, its
+# captured layers IDS (three, evenly spaced from 1 to L-3 for L layers: 1,5,9 for 12), TEMPS
+# (regeneration temperatures, each with its own seed, interleaved into DATA; issue 35 asks
+# for "0 0.7 1.0"), RUNS (where the drafts and data go) and the step / second budgets:
+#   TARGET=runs/decay/best IDS=1,5,9 TEMPS="0 0.7 1.0" RUNS=runs/pair35 bash recipes/train_drafts.sh dflash dspark
 # runs/corpus is the stdlib corpus the target was pretrained on (sha256 08fdebec..., in
 # ../src/blockspec/assets/target/RECIPE.md): `blockspec corpus` as of that commit (tests
 # included; today's `blockspec corpus --no-packages` also drops tests and duplicates, so its
 # prefixes differ).
 set -euo pipefail
-TARGET=src/blockspec/assets/target
+TARGET=${TARGET:-src/blockspec/assets/target}
+IDS=${IDS:-1,3,5}
+TEMPS=${TEMPS:-0}
+RUNS=${RUNS:-runs}
+CORPUS=${CORPUS:-runs/corpus}
 DFLASH_STEPS=${DFLASH_STEPS:-1900}
 DSPARK_STEPS=${DSPARK_STEPS:-1500}
 EAGLE3_S=${EAGLE3_S:-2640}
-DATA=${DATA:-runs/regen2/train.jsonl}
-[ -f "$DATA" ] && [ "$(wc -l < "$DATA")" -ge "${PROMPTS:-4000}" ] || \
-blockspec regenerate --prompts runs/corpus --target $TARGET --out "$DATA" \
-  --num-prompts ${PROMPTS:-4000} --max-new-tokens 160 --batch-size 32 --seed 0
-COMMON="--target $TARGET --data $DATA --target-layer-ids 1,3,5 --batch-size 4 --lr 1e-3 \
+PROMPTS=${PROMPTS:-4000}
+DATA=${DATA:-$RUNS/regen2/train.jsonl}
+mkdir -p "$(dirname "$DATA")"
+if [ "$TEMPS" = 0 ]; then   # greedy regenerations only: the shipped drafts' data
+  [ -f "$DATA" ] && [ "$(wc -l < "$DATA")" -ge "$PROMPTS" ] || \
+  blockspec regenerate --prompts "$CORPUS" --target "$TARGET" --out "$DATA" \
+    --num-prompts "$PROMPTS" --max-new-tokens 160 --batch-size 32 --seed 0
+elif [ ! -s "$DATA" ]; then   # one file per temperature (seed i: other corpus windows), interleaved
+  i=0; parts=()
+  for T in $TEMPS; do
+    part="${DATA%.jsonl}_t$T.jsonl"
+    [ -f "$part" ] && [ "$(wc -l < "$part")" -ge "$PROMPTS" ] || \
+    blockspec regenerate --prompts "$CORPUS" --target "$TARGET" --out "$part" --num-prompts "$PROMPTS" \
+      --max-new-tokens 160 --batch-size 32 --temperature "$T" --seed $i
+    parts+=("$part"); i=$((i + 1))
+  done
+  paste -d '\n' "${parts[@]}" | grep -v '^$' > "$DATA.tmp" && mv "$DATA.tmp" "$DATA"
+fi
+COMMON="--target $TARGET --data $DATA --target-layer-ids $IDS --batch-size 4 --lr 1e-3 \
   --eval-examples 16 --eval-new-tokens 64 --seed 0 --threads 1 --resume"   # --resume: a re-run continues a killed one
 BLOCK="--num-layers 2 --init-from-target --num-anchors 48 --eval-every 250"
 train() {   # run name, then its own flags
   local run=$1; shift
-  OMP_NUM_THREADS=1 blockspec train "$@" --out "runs/$run" $COMMON > "runs/$run.log" 2>&1 &
+  OMP_NUM_THREADS=1 blockspec train "$@" --out "$RUNS/$run" $COMMON > "$RUNS/$run.log" 2>&1 &
 }
 for method in ${*:-dflash dspark}; do
   case $method in
