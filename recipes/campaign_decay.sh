@@ -5,7 +5,7 @@
 # What it gives: the validation loss the target would have if the campaign ended now, and an
 # exportable target (runs/decay/best, bf16 + tokenizer) to evaluate or ship.
 #
-#   bash recipes/campaign_decay.sh [DECAY=150] [extra pretrain flags]   # e.g. --precision bfloat16 --compile
+#   [OUT=runs/decay] [FORCE=1] bash recipes/campaign_decay.sh [DECAY=150] [extra pretrain flags]   # e.g. --precision bfloat16 --compile
 #
 # Run it with the main run paused (kill -STOP its pid; -CONT after) or stopped: both at full
 # speed on 2 cores would halve each. The branch reads the main run's tokenized corpus (symlinks)
@@ -17,6 +17,9 @@ BS=${BS:-.venv/bin/blockspec}
 MAIN=${MAIN:-runs/campaign}
 OUT=${OUT:-runs/decay}
 DECAY=${1:-150}; shift || true
+[[ "$DECAY" =~ ^[1-9][0-9]*$ ]] || { echo "error: DECAY must be a positive step count, got '$DECAY'" >&2; exit 2; }
+# the branch's output is often the target being evaluated or shipped: never replace it silently
+[ ! -e "$OUT" ] || [ "${FORCE:-0}" = 1 ] || { echo "error: $OUT exists (set OUT=another directory, or FORCE=1 to replace it)" >&2; exit 2; }
 [ -f "$MAIN/state/meta.json" ] || { echo "error: no campaign state under $MAIN/state (run recipes/pretrain_campaign.sh)" >&2; exit 2; }
 START=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["step"])' "$MAIN/state/meta.json")
 rm -rf "$OUT" && mkdir -p "$OUT"

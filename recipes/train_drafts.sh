@@ -14,6 +14,8 @@
 # (regeneration temperatures, each with its own seed, interleaved into DATA; issue 35 asks
 # for "0 0.7 1.0"), RUNS (where the drafts and data go) and the step / second budgets:
 #   TARGET=runs/decay/best IDS=1,5,9 TEMPS="0 0.7 1.0" RUNS=runs/pair35 bash recipes/train_drafts.sh dflash dspark
+# TRAIN_FLAGS go to every run, e.g. "--bf16 --time-budget-s 3600" (bf16 autocast where the CPU
+# has bf16 matrix instructions; the step counts fitted to an hour after timing the first steps).
 # runs/corpus is the stdlib corpus the target was pretrained on (sha256 08fdebec..., in
 # ../src/blockspec/assets/target/RECIPE.md): `blockspec corpus` as of that commit (tests
 # included; today's `blockspec corpus --no-packages` also drops tests and duplicates, so its
@@ -29,6 +31,9 @@ DSPARK_STEPS=${DSPARK_STEPS:-1500}
 EAGLE3_S=${EAGLE3_S:-2640}
 PROMPTS=${PROMPTS:-4000}
 DATA=${DATA:-$RUNS/regen2/train.jsonl}
+for method in ${*:-dflash dspark}; do   # before the (long) regeneration, not after it
+  case $method in dflash|dspark|eagle3) ;; *) echo "error: unknown draft $method (dflash, dspark, eagle3)" >&2; exit 2 ;; esac
+done
 mkdir -p "$(dirname "$DATA")"
 if [ "$TEMPS" = 0 ]; then   # greedy regenerations only: the shipped drafts' data
   [ -f "$DATA" ] && [ "$(wc -l < "$DATA")" -ge "$PROMPTS" ] || \
@@ -46,11 +51,14 @@ elif [ ! -s "$DATA" ]; then   # one file per temperature (seed i: other corpus w
   paste -d '\n' "${parts[@]}" | grep -v '^$' > "$DATA.tmp" && mv "$DATA.tmp" "$DATA"
 fi
 COMMON="--target $TARGET --data $DATA --target-layer-ids $IDS --batch-size 4 --lr 1e-3 \
-  --eval-examples 16 --eval-new-tokens 64 --seed 0 --threads 1 --resume"   # --resume: a re-run continues a killed one
+  --eval-examples 16 --eval-new-tokens 64 --seed 0 --threads 1 --resume ${TRAIN_FLAGS:-}"   # --resume: a re-run continues a killed one
 BLOCK="--num-layers 2 --init-from-target --num-anchors 48 --eval-every 250"
+mkdir -p "$RUNS"
+pids=(); runs=()
 train() {   # run name, then its own flags
   local run=$1; shift
   OMP_NUM_THREADS=1 blockspec train "$@" --out "$RUNS/$run" $COMMON > "$RUNS/$run.log" 2>&1 &
+  pids+=($!); runs+=("$run")
 }
 for method in ${*:-dflash dspark}; do
   case $method in
@@ -59,7 +67,10 @@ for method in ${*:-dflash dspark}; do
               --markov-head-type vanilla $BLOCK ;;
     eagle3) train eagle3 --method eagle3 --num-layers 1 --ttt-steps 7 --draft-vocab-size 2048 --device cpu \
               --time-budget-s $EAGLE3_S --max-steps 100000 --eval-every 75 ;;
-    *) echo "unknown draft $method (dflash, dspark, eagle3)" >&2; exit 2 ;;
   esac
 done
-wait
+failed=0   # wait for each run by pid: a bare `wait` would report success whatever they returned
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || { echo "error: draft run ${runs[$i]} failed; see $RUNS/${runs[$i]}.log" >&2; failed=1; }
+done
+exit $failed

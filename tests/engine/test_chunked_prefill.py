@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from blockspec import EngineOptions
-from blockspec.config import SamplingParams
+from blockspec import EngineOptions, PolicyOptions
+from blockspec.config import EagleTree, SamplingParams
 from blockspec.decoding.generate import generate
 from blockspec.decoding.prefill import prefill
 from blockspec.decoding.sampling import RowSampler
@@ -36,6 +36,10 @@ def engine_for(target, method: str, chunk: int, max_running: int = 3) -> Engine:
         draft = make_draft(target, "deepspec", 4, markov_rank=4, markov_type="gated", confidence=True)
     elif method == "eagle3":
         draft = Eagle3Drafter.pair(make_eagle3(target), target, 3)
+    elif method == "eagle3-tree":   # trees run the fixed policy
+        draft = Eagle3Drafter.pair(make_eagle3(target), target).with_tree(EagleTree(3, 3, 7))
+        return Engine(target, draft, "eagle3", max_running=max_running, max_model_len=80,
+                      policy=PolicyOptions(adapt=False), options=EngineOptions(prefill_chunk_tokens=chunk))
     return Engine(target, draft, method, max_running=max_running, max_model_len=80,
                   options=EngineOptions(prefill_chunk_tokens=chunk))
 
@@ -46,7 +50,7 @@ def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) 
     return [h.result().tokens for h in handles]
 
 
-@pytest.mark.parametrize("method", ["ar", "dflash", "dspark", "eagle3"])
+@pytest.mark.parametrize("method", ["ar", "dflash", "dspark", "eagle3", "eagle3-tree"])
 def test_greedy_output_is_the_same_with_and_without_chunks(target64, method: str) -> None:
     prompts = [SHORT[0], LONG, SHORT[1], LONG[:20]]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (20, 15, 12, 10)]

@@ -204,7 +204,7 @@ def test_long_accepted_runs_stop_inside_runs(monkeypatch, target64, requests, co
 
 
 class TreeOracle(WrappedForwards):
-    """Plants each row's reference continuation (found by position + anchor) along a random
+    """Plants each greedy row's reference continuation (found by position + anchor) along a random
     deepest path of its draft tree, corrupting the path on every third row proposal: long
     paths off the tree's first nodes are accepted, so their K/V move in the pool's rows."""
 
@@ -219,6 +219,8 @@ class TreeOracle(WrappedForwards):
         tree, vocab = proposal.tree, draft.model.config.vocab_size
         tokens = proposal.tokens.clone()
         for r in range(tokens.shape[0]):
+            if not bool(sampler.greedy[r]):   # a sampled row's tree stays as drawn (its probs say how)
+                continue
             depth = int(tree.depths[r].max())
             p = int(draft_cache.lengths[r])   # the anchor's position: the draft holds what precedes it
             cont = next((seq[p + 1:p + 1 + depth] for seq in self.full_sequences if p < len(seq)
@@ -226,7 +228,7 @@ class TreeOracle(WrappedForwards):
             path = plant_path(tokens[r], tree.parents[r], tree.depths[r], cont, self.rng, vocab,
                               corrupt=next(self.calls) % 3 == 0)
             self.off_diagonal += sum(node != d for d, node in enumerate(path, start=1))
-        return Proposal(tokens, None, None, tree=tree)
+        return Proposal(tokens, proposal.probs, None, tree=tree)
 
     def propose(self, draft, target, draft_cache, anchors, sampler, block=None, stop_below=0.0,
                 confidence_map=None):
@@ -245,6 +247,36 @@ def test_tree_paths_off_the_first_nodes_are_kept_in_the_pools_rows(target64, req
     m = engine.metrics()
     assert m["tau"] > 2.0 and max(m["accepted_histogram"]) >= 3 and oracle.off_diagonal >= 10
     assert m["kv_bytes_in_use"] == 0 and m["finished"] == len(requests)
+
+
+def test_tree_rows_of_mixed_bands_swap_and_run_to_the_length_limit(monkeypatch, target64, requests):
+    """Draft trees next to seeded sampled rows: sampled arrivals land in front of greedy rows,
+    so rows swap into band order (their K/V, tree scratch and features move with them); the
+    greedy rows still equal AR, a seeded row equals its own `generate` with the same tree,
+    and a row whose prompt + output fills max_model_len runs to the last position."""
+    engine = build(target64, "eagle3-tree", max_running=4, max_model_len=40)
+    swaps, order = [], engine.slots.order_by_band
+
+    def recorded(bands):
+        made = order(bands)
+        swaps.extend(made)
+        return made
+    monkeypatch.setattr(engine.slots, "order_by_band", recorded)
+    seeded = SamplingParams(temperature=0.8, top_k=8, seed=21, max_new_tokens=16, ignore_eos=True)
+    to_the_limit = SamplingParams(max_new_tokens=40 - len(PROMPTS[2]), ignore_eos=True)
+    limit_ref = generate(target64, [PROMPTS[2]], to_the_limit).completions[0].tokens
+    mixed = [requests[1], requests[4], (PROMPTS[0], seeded, None), (PROMPTS[2], to_the_limit, None), requests[6]]
+    engine.forwards = oracle = TreeOracle(engine.forwards, [prompt + ref.tokens for prompt, _, ref in mixed[:2]]
+                                          + [PROMPTS[2] + limit_ref, requests[6][0] + requests[6][2].tokens])
+    handles, _ = drive(engine, mixed, seed=7, cancel_waiting=-1, cancel_running=-1)
+    assert handles[0].result().tokens == requests[1][2].tokens and handles[1].result().tokens == requests[4][2].tokens
+    assert handles[4].result().tokens == requests[6][2].tokens
+    assert handles[3].result().tokens == limit_ref and len(limit_ref) == 40 - len(PROMPTS[2])
+    alone = generate(target64, [PROMPTS[0]], seeded, draft=engine.draft, policy=PolicyOptions(adapt=False))
+    assert handles[2].result().tokens == alone.completions[0].tokens
+    m = engine.metrics()
+    assert swaps and m["tau"] > 1.5 and max(m["accepted_histogram"]) >= 3 and oracle.off_diagonal > 0
+    assert m["kv_bytes_in_use"] == 0 and m["finished"] == len(mixed)
 
 
 @pytest.mark.parametrize("config", ["dflash", "dspark"])

@@ -145,6 +145,28 @@ def test_sglang_tree_flags_build_a_tree_engine(dirs, eagle3_dir):
         build_engine(serve_args(*tree[:10], "--context-length", "64", "--no-adapt"))
 
 
+def test_a_tree_server_that_could_serve_nothing_fails_at_startup(dirs, eagle3_dir, tmp_path, monkeypatch):
+    """A tree with a generation config whose repetition_penalty every request inherits would
+    refuse every request: refused at startup. --compile and a planning policy are refused
+    before the models load, each naming its own cause."""
+    tree = ["--model-path", dirs[0], "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", eagle3_dir,
+            "--speculative-eagle-topk", "2", "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "4",
+            "--context-length", "64", "--kv-memory-gb", "0.01", "--no-adapt"]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.1}))
+    with pytest.raises(BlockspecError, match="repetition_penalty 1.1.*--generation-config vllm"):
+        build_engine(serve_args(*tree, "--generation-config", str(tmp_path)))
+    engine, _, _ = build_engine(serve_args(*tree, "--generation-config", "vllm"))
+    assert engine.draft.config.tree == EagleTree(2, 2, 4)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the models were loaded before the flags were checked")
+    monkeypatch.setattr("blockspec.serving.server.load_models", no_load)
+    with pytest.raises(BlockspecError, match="drop --compile"):
+        build_engine(serve_args(*tree, "--compile"))
+    with pytest.raises(BlockspecError, match="without --scheduled / --draft-gate"):
+        build_engine(serve_args(*tree, "--scheduled"))
+
+
 @pytest.mark.parametrize("line", [
     lambda t, d: [t, "--speculative-config", json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": 3}),
                   "--max-model-len", "64", "--kv-memory-gb", "0.01"],

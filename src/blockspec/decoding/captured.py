@@ -44,6 +44,8 @@ from blockspec.models.kv_cache import KVCache
 from blockspec.models.layers import Attention
 from blockspec.models.target import TargetModel
 
+EAGLE3_NOT_CAPTURED = "compile (captured static steps) does not run EAGLE-3 chains or trees yet; drop --compile"
+
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MODES = ("eager", "compile", "graphs")
 

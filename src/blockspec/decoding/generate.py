@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 import torch
 
 from blockspec.config import METHODS, SamplingParams
-from blockspec.decoding.captured import CapturedSteps, captured_steps
+from blockspec.decoding.captured import EAGLE3_NOT_CAPTURED, CapturedSteps, captured_steps
 from blockspec.decoding.context import PendingContext
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
 from blockspec.decoding.penalties import LogitAdjust
@@ -217,8 +217,7 @@ def _start(target: TargetModel, draft: AnyDraft | None, prompts: list[list[int]]
     # (decoding/captured.py); CPU AR keeps its tuned compiled decode step.
     compile = options.compile
     if compile and isinstance(draft, Eagle3Drafter):
-        raise BlockspecError("compile (captured static steps) does not run EAGLE-3 chains or trees yet; drop "
-                             "--compile")
+        raise BlockspecError(EAGLE3_NOT_CAPTURED)
     captured = (captured_steps(target, draft) if compile and (draft is not None or target.device.type == "cuda")
                 else None)
     if compile and captured is None:

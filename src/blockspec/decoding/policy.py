@@ -135,7 +135,8 @@ class PolicyOptions:
 
 
 TREE_NEEDS_FIXED_POLICY = ("EAGLE-3 tree drafting (topk > 1) verifies its whole tree every round; the adaptive "
-                           "policy plans chains only: add --no-adapt (PolicyOptions(adapt=False))")
+                           "policy, scheduled verification and the draft gate plan chains only: use the fixed "
+                           "policy (--no-adapt, without --scheduled / --draft-gate)")
 
 
 def is_tree(draft: AnyDraft | None) -> bool:

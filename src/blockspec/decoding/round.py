@@ -441,6 +441,9 @@ def pad_rows(proposal: Proposal, rows: int, vocab: int | None = None) -> Proposa
     vocab: the batch samples somewhere, so rejection sampling needs every drafted
     row's proposal distribution; greedy drafts (probs None) were drawn from a point
     mass, which is what they get."""
+    # Trees run the fixed policy, so every row drafts and none is padded; a padded tree would
+    # verify its padding as a chain.
+    assert proposal.tree is None, "a tree proposal is never padded"
     k, g = proposal.tokens.shape
     tokens = torch.cat([proposal.tokens, proposal.tokens.new_zeros(rows - k, g)])
     probs = proposal.probs

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from blockspec.config import RULES, SamplingParams
-from blockspec.decoding.captured import MODES as CAPTURE_MODES, CapturedSteps
+from blockspec.decoding.captured import EAGLE3_NOT_CAPTURED, MODES as CAPTURE_MODES, CapturedSteps
 from blockspec.decoding.context import DraftContext
 from blockspec.decoding.generate import check_method, check_tree
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
@@ -116,8 +116,7 @@ def round_strategy(slots: SlotPool, options: EngineOptions
     if not options.compile:
         return None, PackedForwards(), slots.pending
     if isinstance(slots.draft, Eagle3Drafter):
-        raise BlockspecError("compile (captured static steps) does not run EAGLE-3 chains or trees yet; drop "
-                             "--compile")
+        raise BlockspecError(EAGLE3_NOT_CAPTURED)
     captured = CapturedSteps(slots.target, slots.draft, mode=options.capture_mode)
     captured.adopt(slots.cache, slots.draft_cache)
     return captured, captured.forwards(), captured.context() if slots.draft is not None else None

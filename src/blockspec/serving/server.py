@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from blockspec.config import DRAFT_METHODS, EagleTree, GenerationDefaults
+from blockspec.decoding.captured import EAGLE3_NOT_CAPTURED
 from blockspec.decoding.policy import TREE_NEEDS_FIXED_POLICY, PolicyOptions
 from blockspec.engine.engine import Engine, EngineOptions
 from blockspec.errors import BlockspecError
@@ -180,11 +181,17 @@ def build_engine(args: argparse.Namespace):
                            cost_table=args.cost_table or None)   # read after the models load
     if spec.tree is not None and policy.plans:
         raise BlockspecError(TREE_NEEDS_FIXED_POLICY)
+    if args.compile and spec.method == "eagle3":
+        raise BlockspecError(EAGLE3_NOT_CAPTURED)
     models = load_models(args.target, spec.draft, spec.method, block_size=spec.block_size, tree=spec.tree,
                          chat_template=args.chat_template, **load_options(args))
     target, tokenizer, draft = models.target, models.tokenizer, models.draft
     # the server's request defaults, as the CLI's
     args.generation_defaults = generation_defaults(args, models.generation_defaults)
+    penalty = args.generation_defaults.repetition_penalty
+    if spec.tree is not None and penalty not in (None, 1):   # else every request would be refused
+        raise BlockspecError(f"the generation config sets repetition_penalty {penalty}, which EAGLE-3 tree drafting "
+                             f"(topk > 1) does not apply: add --generation-config vllm, or use a chain (topk 1)")
     if draft is not None and spec.num_drafts is not None:
         draft = draft.with_block_size(block_for(draft.config.layout, spec.num_drafts))
     engine = Engine(target, draft, spec.method, max_running=args.max_running, max_model_len=args.max_model_len,
