@@ -408,7 +408,10 @@ def test_adaptive_and_fixed_arms_side_by_side(models):
     assert labels == ["ar", "dflash B=4 adaptive", "dflash B=4 fixed", "dspark B=3 adaptive", "dspark B=3 fixed"]
     drafted = {r["label"]: r["drafted"] for r in results["rows"]}
     assert drafted["ar"] is None and drafted["dflash B=4 fixed"] == drafted["dspark B=3 fixed"] == 1.0
-    assert 0.0 < drafted["dflash B=4 adaptive"] <= 1.0      # the first round of a band always drafts
+    # The adaptive arm decides round by round from this machine's costs and what its warm-up
+    # call taught the policy (kept in process memory), so its share may be anything, even 0
+    # where the tiny random draft never pays; it is measured, not a fixed 1.
+    assert 0.0 <= drafted["dflash B=4 adaptive"] <= 1.0
     dspark = [r for r in results["rows"] if r["method"] == "dspark"]
     assert dspark[0]["calibration"] == dspark[1]["calibration"] is not None
     md = (out / "results.md").read_text()

@@ -11,6 +11,7 @@ import torch
 from blockspec.config import DraftConfig, EagleTree, TargetConfig
 from blockspec.engine.memory import (DEFAULT_UTILIZATION, GIB, KVShapes, activation_reserve, kv_budget,
                                        plan_kv)
+from blockspec.engine import memory
 from blockspec.engine.slots import SlotPool
 from blockspec.errors import BlockspecError
 from blockspec.models.chain_draft import Eagle3Drafter
@@ -171,7 +172,7 @@ def test_a_windowed_draft_counts_only_its_window(types):
     assert pool.draft_cache.nbytes == plan.slots * windowed.draft_kv_bytes(length)   # the draft's share alone
 
 
-def test_a_draft_tree_slot_holds_its_expanded_levels():
+def test_a_draft_tree_slot_holds_its_expanded_levels(monkeypatch):
     """An EAGLE-3 tree's levels take (num_steps - 1) x topk draft positions after a row's
     committed ones: the plan counts exactly what the pool allocates."""
     target = make_target()
@@ -184,3 +185,11 @@ def test_a_draft_tree_slot_holds_its_expanded_levels():
     plan = plan_kv(shapes[tree], 10 * shapes[tree].slot_bytes(40), 3, 40)
     pool = SlotPool(target, tree, plan)
     assert pool.cache.nbytes + pool.draft_cache.nbytes + plan.slots * shapes[tree].pending_bytes == plan.total_bytes
+    # the tree verifies its 7 queries per row under a dense mask over the row's 40 keys: the
+    # bool mask and its float32 form (5 bytes an entry) are kept out of the KV budget
+    reserves = []
+    monkeypatch.setattr(memory, "memory_budget", lambda device, utilization, kv_gb, reserve:
+                        (reserves.append(reserve) or GIB, "test"))
+    for draft in (chain, tree):
+        memory.plan_for_models(target, draft, 3, 40, None, 0.5)
+    assert reserves[1] - reserves[0] == 3 * 7 * 40 * 5

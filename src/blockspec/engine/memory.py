@@ -172,10 +172,13 @@ def kv_budget(total: int, free: int, utilization: float, reserve: int) -> int:
     return int(utilization * total) - (total - free) - reserve
 
 
-def activation_reserve(target: TargetConfig, max_num_seqs: int, block: int) -> int:
+def activation_reserve(target: TargetConfig, max_num_seqs: int, block: int, tree_keys: int = 0) -> int:
     """Memory kept for the forward passes: float32 logits and probabilities of the widest
-    verification (every slot, a block plus the bonus) and a fixed workspace."""
-    return 2 * max_num_seqs * (block + 1) * target.vocab_size * 4 + WORKSPACE_BYTES
+    verification (every slot, a block plus the bonus) and a fixed workspace. A draft tree
+    (tree_keys: the positions a row's queries may see) verifies under a dense mask, one bool
+    per (slot, query, key), which attention expands to an additive float32 mask."""
+    tree_mask = max_num_seqs * block * tree_keys * (1 + 4)
+    return 2 * max_num_seqs * (block + 1) * target.vocab_size * 4 + tree_mask + WORKSPACE_BYTES
 
 
 def lazy_weight_copies(*models: torch.nn.Module | None) -> int:
@@ -225,6 +228,8 @@ def plan_for_models(target: torch.nn.Module, draft: torch.nn.Module | None, max_
                          draft.dtype if draft is not None else None)
     block = draft.config.block_size if draft is not None else 0
     rows = max_num_seqs if isinstance(max_num_seqs, int) and max_num_seqs > 0 else 1   # plan_kv names a bad one
-    reserve = activation_reserve(target.config, rows, block) + lazy_weight_copies(target, draft)
+    tree = getattr(draft.config, "tree", None) if draft is not None else None
+    keys = (max_model_len or target.config.max_position_embeddings) if tree is not None else 0
+    reserve = activation_reserve(target.config, rows, block, keys) + lazy_weight_copies(target, draft)
     budget, source = memory_budget(target.device, utilization, kv_memory_gb, reserve)
     return plan_kv(shapes, budget, max_num_seqs, max_model_len, source)
