@@ -188,8 +188,8 @@ def build_engine(args: argparse.Namespace):
     target, tokenizer, draft = models.target, models.tokenizer, models.draft
     # the server's request defaults, as the CLI's
     args.generation_defaults = generation_defaults(args, models.generation_defaults)
-    penalty = args.generation_defaults.repetition_penalty
-    if spec.tree is not None and penalty not in (None, 1):   # else every request would be refused
+    if spec.tree is not None and args.generation_defaults.sampling_params().penalized:   # else every request is refused
+        penalty = args.generation_defaults.repetition_penalty
         raise BlockspecError(f"the generation config sets repetition_penalty {penalty}, which EAGLE-3 tree drafting "
                              f"(topk > 1) does not apply: add --generation-config vllm, or use a chain (topk 1)")
     if draft is not None and spec.num_drafts is not None:
