@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -25,6 +26,21 @@ def machine() -> str:
     return f"{cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}"
 
 
+def relink(text: str, cmd: list[str]) -> str:
+    """The command's markdown image links (`![name](file.png)`, relative to its `--out` folder, as
+    `blockspec bench` prints them) made relative to docs/results.md where that folder is under
+    docs/ (committed with it), so the plots show there."""
+    if "--out" not in cmd[:-1]:
+        return text
+    out = Path(cmd[cmd.index("--out") + 1]).resolve()
+
+    def fix(m: re.Match) -> str:
+        path = out / m.group(2)
+        shown = path.is_file() and path.is_relative_to(RESULTS.parent.resolve())   # committed with docs/
+        return f"![{m.group(1)}]({os.path.relpath(path, RESULTS.parent)})" if shown else m.group(0)
+    return re.sub(r"!\[([^\]]*)\]\(([^/()]+)\)", fix, text)
+
+
 def main() -> int:
     if "--" not in sys.argv or sys.argv.index("--") != 2:
         print(__doc__, file=sys.stderr)
@@ -38,7 +54,7 @@ def main() -> int:
         print(f"not recorded: the command exited {proc.returncode}", file=sys.stderr)
         return proc.returncode
     block = (f"\n## {title}\n\n- command: `{shlex.join(cmd)}`\n- date: {started}\n- machine: {machine()}\n\n"
-             f"{proc.stdout.strip()}\n")
+             f"{relink(proc.stdout.strip(), cmd)}\n")
     RESULTS.parent.mkdir(exist_ok=True)
     if not RESULTS.exists():
         RESULTS.write_text("# Results\n\nEvery figure below was appended by `benchmarks/record.py` from the "

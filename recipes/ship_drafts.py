@@ -7,7 +7,8 @@ DFlash / DSpark drafts are shipped in their z-lab / DeepSpec layouts, the EAGLE-
 
 A draft trained in stages (`--init-from` an earlier run's draft) is traced back
 through the run directories beside it; every stage gets a row and its own
-held-out tau curve.
+held-out tau curve. A first stage that continued a shipped draft (`--init-from
+src/blockspec/assets/NAME`) keeps that draft's recorded stages, copied from its RECIPE.md.
 
     python recipes/ship_drafts.py --dflash runs/gpu1/dflash4c --dspark runs/gpu1/dspark4c \
         --data runs/gpu1/regen_train.jsonl.gz
@@ -30,8 +31,9 @@ bash recipes/train_drafts.sh     # regenerate data with the target, then train b
 python recipes/ship_drafts.py --dflash runs/dflash3 --dspark runs/dspark3
 ```""",
     "eagle3": """```bash
-bash recipes/train_drafts.sh eagle3   # regenerate data with the target (once), then train the draft (CPU)
-python recipes/ship_drafts.py --eagle3 runs/eagle3
+bash recipes/train_drafts.sh eagle3    # regenerate data with the target (once), then train the draft (CPU)
+bash recipes/train_drafts.sh eagle3b   # its second stage, from runs/eagle3/draft
+python recipes/ship_drafts.py --eagle3 runs/eagle3b
 ```
 `--time-budget-s` fits the step count to the wall-time budget after timing the first 20 steps,
 so a rerun on other hardware (or beside other work) takes a different number of steps.""",
@@ -67,6 +69,25 @@ def stages(run: Path) -> list[Path]:
         if earlier is None or earlier in chain or not (earlier / "train_config.json").is_file():
             return chain
         chain.insert(0, earlier)
+
+
+def shipped_record(init_from: str | None) -> dict[str, list[str]]:
+    """The recorded stages of a shipped draft that the first stage continued (its RECIPE.md's stage
+    rows, tau curves and exact configs, as written by `recipe_text`); empty lists for anything else."""
+    record: dict[str, list[str]] = {"rows": [], "curves": [], "configs": []}
+    recipe = Path(init_from) / "RECIPE.md" if init_from else None
+    if recipe is None or not recipe.is_file():
+        return record
+    text = recipe.read_text()
+    table = text.split(STAGE_HEADER, 1)[1].split("\n\n", 1)[0] if STAGE_HEADER in text else ""
+    record["rows"] = [line for line in table.splitlines() if line.startswith("| ")]
+    curves = text.split("step: tau per stage:", 1)[1].split("\n## ", 1)[0] if "step: tau per stage:" in text else ""
+    record["curves"] = [line[2:] for line in curves.splitlines() if line.startswith("- ")]
+    if "## Exact training configs" in text:
+        record["configs"] = [text.split("## Exact training configs", 1)[1].strip()]
+    if not (record["rows"] and record["curves"] and record["configs"]):
+        raise SystemExit(f"error: {recipe} has no stage table, tau curves and configs as recipe_text writes them")
+    return record
 
 
 def read_log(run: Path) -> list[dict]:
@@ -117,14 +138,19 @@ def recipe_text(name: str, chain: list[Path], dest: Path, n_examples: int, histo
     draft_cfg = json.loads((dest / "config.json").read_text())
     size_mb = sum(f.stat().st_size for f in dest.glob("*.safetensors")) / 1e6
     first = json.loads((chain[0] / "train_config.json").read_text())
-    curves, configs = [], []
+    shipped = shipped_record(first.get("init_from"))
+    again = [run.name for run in chain if any(row.startswith(f"| {run.name} |") for row in shipped["rows"])]
+    if again:
+        raise SystemExit(f"error: {first['init_from']}/RECIPE.md already records {', '.join(again)}: restore the "
+                         "RECIPE.md of the draft that run continued (git checkout) before shipping it again")
+    curves, configs = list(shipped["curves"]), list(shipped["configs"])
     for run in chain:
         cfg = json.loads((run / "train_config.json").read_text())
         evals = [(r["step"], r["eval"]["tau"]) for r in read_log(run) if "eval" in r]
         curves.append(f"{run.name}: " + ", ".join(f"{s}: {t:.3f}" for s, t in evals))
         configs.append(f"{run.name}:\n```json\n{json.dumps(cfg, indent=2)}\n```")
     gpu = any(json.loads((r / "train_config.json").read_text())["device"] != "cpu" for r in chain)
-    stage_rows = "\n".join(stage_row(run) for run in chain)
+    stage_rows = "\n".join(shipped["rows"] + [stage_row(run) for run in chain])
     curve_lines = "\n".join(f"- {c}" for c in curves)
     config_text = "\n\n".join(configs)
     return f"""# Embedded {name} draft: recipe
@@ -134,7 +160,7 @@ def recipe_text(name: str, chain: list[Path], dest: Path, n_examples: int, histo
 
 ## Training record (from the runs' logs)
 
-Trained in {len(chain)} stage(s), each continuing the one above it:
+Trained in {len(shipped["rows"]) + len(chain)} stage(s), each continuing the one above it:
 
 {STAGE_HEADER}
 {stage_rows}
@@ -160,13 +186,21 @@ first {first['eval_examples']} examples are held out for the tau above.
 """
 
 
-def ship(run: Path, name: str, data: Path, history: str = "") -> None:
+def ship(run: Path, name: str, data: Path, history: str = "", assets: Path = ASSETS) -> None:
     chain = stages(run)
-    dest = ASSETS / name
+    dest = assets / name
+    # Written next to the old draft first: a stage continuing the shipped draft reads its RECIPE.md.
+    staging = assets / f".{name}.new"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(run / "draft", staging)
+    try:
+        (staging / "RECIPE.md").write_text(recipe_text(name, chain, staging, count_lines(data), history))
+    except BaseException:
+        shutil.rmtree(staging)
+        raise
     shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(run / "draft", dest)
-    (dest / "RECIPE.md").write_text(recipe_text(name, chain, dest, count_lines(data), history))
-    print(f"shipped {name} from {run} ({len(chain)} stage(s))")
+    staging.rename(dest)
+    print(f"shipped {name} from {run}")
 
 
 def main() -> None:

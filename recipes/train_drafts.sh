@@ -5,8 +5,11 @@
 #           (both warm-started from the target's last two layers (--init-from-target; the
 #           deepest captured feature, layer 5, is what the copied layer 6 reads in the target))
 #   eagle3  EAGLE-3, 1 layer, 7-step training-time test, draft vocabulary 2048 (as
-#           recipes/train_eagle3_gpu.sh), random init, EAGLE3_S seconds -> runs/eagle3 (shipped)
-# Usage: bash recipes/train_drafts.sh [dflash] [dspark] [eagle3]   (default: dflash dspark)
+#           recipes/train_eagle3_gpu.sh), random init, EAGLE3_S seconds -> runs/eagle3
+#   eagle3b its second stage: EAGLE3B_S more seconds from EAGLE3_INIT (default runs/eagle3/draft;
+#           the shipped draft continued src/blockspec/assets/eagle3, the shipped copy of it), lr 5e-4,
+#           seed 1 -> runs/eagle3b (shipped; EAGLE3B_S = the DFlash draft's 5652 s less stage 1's 1944 s)
+# Usage: bash recipes/train_drafts.sh [dflash] [dspark] [eagle3] [eagle3b]   (default: dflash dspark)
 # The named drafts train side by side with one thread each, on the same data and
 # evaluation. Resumable: rerun after an interruption.
 # Another target (issue 35's campaign, e.g. a decay branch's runs/decay/best): TARGET=DIR, its
@@ -19,7 +22,9 @@
 # runs/corpus is the stdlib corpus the target was pretrained on (sha256 08fdebec..., in
 # ../src/blockspec/assets/target/RECIPE.md): `blockspec corpus` as of that commit (tests
 # included; today's `blockspec corpus --no-packages` also drops tests and duplicates, so its
-# prefixes differ).
+# prefixes differ). Rebuilt from that commit's code (same sha256 under CPython 3.11.7):
+#   git worktree add /tmp/c083a4b c083a4b && PYTHONPATH=/tmp/c083a4b/src python -c \
+#     'from pathlib import Path; from blockspec.training.corpus import build_corpus; print(build_corpus(Path("runs/corpus"))["sha256"])'
 set -euo pipefail
 TARGET=${TARGET:-src/blockspec/assets/target}
 IDS=${IDS:-1,3,5}
@@ -29,10 +34,12 @@ CORPUS=${CORPUS:-runs/corpus}
 DFLASH_STEPS=${DFLASH_STEPS:-1900}
 DSPARK_STEPS=${DSPARK_STEPS:-1500}
 EAGLE3_S=${EAGLE3_S:-2640}
+EAGLE3B_S=${EAGLE3B_S:-3700}
+EAGLE3_INIT=${EAGLE3_INIT:-$RUNS/eagle3/draft}
 PROMPTS=${PROMPTS:-4000}
 DATA=${DATA:-$RUNS/regen2/train.jsonl}
 for method in ${*:-dflash dspark}; do   # before the (long) regeneration, not after it
-  case $method in dflash|dspark|eagle3) ;; *) echo "error: unknown draft $method (dflash, dspark, eagle3)" >&2; exit 2 ;; esac
+  case $method in dflash|dspark|eagle3|eagle3b) ;; *) echo "error: unknown draft $method (dflash, dspark, eagle3, eagle3b)" >&2; exit 2 ;; esac
 done
 mkdir -p "$(dirname "$DATA")"
 if [ "$TEMPS" = 0 ]; then   # greedy regenerations only: the shipped drafts' data
@@ -51,13 +58,14 @@ elif [ ! -s "$DATA" ]; then   # one file per temperature (seed i: other corpus w
   paste -d '\n' "${parts[@]}" | grep -v '^$' > "$DATA.tmp" && mv "$DATA.tmp" "$DATA"
 fi
 COMMON="--target $TARGET --data $DATA --target-layer-ids $IDS --batch-size 4 --lr 1e-3 \
-  --eval-examples 16 --eval-new-tokens 64 --seed 0 --threads 1 --resume ${TRAIN_FLAGS:-}"   # --resume: a re-run continues a killed one
+  --eval-examples 16 --eval-new-tokens 64 --seed 0 --threads 1 --resume"   # --resume: a re-run continues a killed one
 BLOCK="--num-layers 2 --init-from-target --num-anchors 48 --eval-every 250"
 mkdir -p "$RUNS"
 pids=(); runs=()
 train() {   # run name, then its own flags
   local run=$1; shift
-  OMP_NUM_THREADS=1 blockspec train "$@" --out "$RUNS/$run" $COMMON > "$RUNS/$run.log" 2>&1 &
+  # The run's own flags after COMMON's (the last of a repeated flag wins), TRAIN_FLAGS last of all.
+  OMP_NUM_THREADS=1 blockspec train $COMMON "$@" --out "$RUNS/$run" ${TRAIN_FLAGS:-} > "$RUNS/$run.log" 2>&1 &
   pids+=($!); runs+=("$run")
 }
 for method in ${*:-dflash dspark}; do
@@ -67,6 +75,9 @@ for method in ${*:-dflash dspark}; do
               --markov-head-type vanilla $BLOCK ;;
     eagle3) train eagle3 --method eagle3 --num-layers 1 --ttt-steps 7 --draft-vocab-size 2048 --device cpu \
               --time-budget-s $EAGLE3_S --max-steps 100000 --eval-every 75 ;;
+    eagle3b) train eagle3b --method eagle3 --init-from "$EAGLE3_INIT" --num-layers 1 --ttt-steps 7 \
+              --draft-vocab-size 2048 --device cpu --lr 5e-4 --seed 1 --time-budget-s $EAGLE3B_S \
+              --max-steps 100000 --eval-every 100 ;;
   esac
 done
 failed=0   # wait for each run by pid: a bare `wait` would report success whatever they returned
