@@ -60,6 +60,7 @@ fi
 COMMON="--target $TARGET --data $DATA --target-layer-ids $IDS --batch-size 4 --lr 1e-3 \
   --eval-examples 16 --eval-new-tokens 64 --seed 0 --threads 1 --resume"   # --resume: a re-run continues a killed one
 BLOCK="--num-layers 2 --init-from-target --num-anchors 48 --eval-every 250"
+EAGLE3="--method eagle3 --num-layers 1 --ttt-steps 7 --draft-vocab-size 2048 --device cpu --max-steps 100000"
 mkdir -p "$RUNS"
 pids=(); runs=()
 train() {   # run name, then its own flags
@@ -73,11 +74,9 @@ for method in ${*:-dflash dspark}; do
     dflash) train dflash3 --method dflash --block-size 16 --max-steps $DFLASH_STEPS $BLOCK ;;
     dspark) train dspark3 --method dspark --block-size 15 --max-steps $DSPARK_STEPS --markov-rank 64 \
               --markov-head-type vanilla $BLOCK ;;
-    eagle3) train eagle3 --method eagle3 --num-layers 1 --ttt-steps 7 --draft-vocab-size 2048 --device cpu \
-              --time-budget-s $EAGLE3_S --max-steps 100000 --eval-every 75 ;;
-    eagle3b) train eagle3b --method eagle3 --init-from "$EAGLE3_INIT" --num-layers 1 --ttt-steps 7 \
-              --draft-vocab-size 2048 --device cpu --lr 5e-4 --seed 1 --time-budget-s $EAGLE3B_S \
-              --max-steps 100000 --eval-every 100 ;;
+    eagle3) train eagle3 $EAGLE3 --time-budget-s $EAGLE3_S --eval-every 75 ;;
+    eagle3b) train eagle3b $EAGLE3 --init-from "$EAGLE3_INIT" --lr 5e-4 --seed 1 --time-budget-s $EAGLE3B_S \
+              --eval-every 100 ;;
   esac
 done
 failed=0   # wait for each run by pid: a bare `wait` would report success whatever they returned
