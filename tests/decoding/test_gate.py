@@ -7,7 +7,7 @@ import torch
 
 from blockspec.config import SamplingParams, temperature_band
 from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.gate import EXPLORE_BUDGET, EXPLORE_CREDIT, EXPLORE_FLOOR, GREEDY_MAX_BACKOFF, MAX_BACKOFF, RECHOOSE_ROUNDS, DraftGate, GateTuning, band_groups
+from blockspec.decoding.gate import EXPLORE_BUDGET, EXPLORE_CREDIT, EXPLORE_FLOOR, GREEDY_MAX_BACKOFF, MAX_BACKOFF, RECHOOSE_ROUNDS, REPRICE_SHIFT, DraftGate, GateTuning, band_groups
 from blockspec.decoding.round_costs import KEY_SAMPLES, PACE_ROUNDS, RATIO_SAMPLES
 from blockspec.errors import BlockspecError
 
@@ -186,6 +186,27 @@ def test_options_are_priced_every_few_rounds_and_at_once_after_a_new_curve():
     assert fresh.decide(1) == (0, 0)
 
 
+def test_a_curve_that_moved_a_little_waits_for_the_next_pricing():
+    """Pricing every option after every drafting round cost ~0.5% of one on a CPU: a curve
+    whose expected tokens moved by less than REPRICE_SHIFT is priced at the next regular
+    pricing (RECHOOSE_ROUNDS), one that moved more at once."""
+    table = CostTable([1, 4], [1.0, 1.0], draft_rows=[1], draft_times_s=[1.0])   # AR 1 tok/s; drafting 2 s
+    tuning = GateTuning(explore_every=1000, prior_rounds=0.0, hysteresis=0.0)
+    gate = DraftGate(table, window=3, full_window=True, tuning=tuning)
+    gate.update(torch.tensor([[1.0, 0.04, 0.0]]))      # 2.04 tokens in 2 s: drafting, barely
+    assert gate.decide(1) == (1, 3)
+    gate.update(torch.tensor([[0.95, 0.0, 0.0]]))      # 1.995 tokens now (2.2% less): AR would win
+    expected = 1.0 + sum(gate.curve(0))
+    assert expected < 2.0 and (2.04 - expected) / 2.04 < REPRICE_SHIFT
+    assert [gate.decide(1) for _ in range(RECHOOSE_ROUNDS - 1)] == [(1, 3)] * (RECHOOSE_ROUNDS - 1)
+    assert gate.decide(1) == (0, 0)                    # priced again
+    moved = DraftGate(table, window=3, full_window=True, tuning=tuning)
+    moved.update(torch.tensor([[1.0, 0.04, 0.0]]))
+    assert moved.decide(1) == (1, 3)
+    moved.update(torch.tensor([[0.8, 0.0, 0.0]]))      # 1.92 tokens: moved by more, priced at once
+    assert moved.decide(1) == (0, 0)
+
+
 def test_a_slow_spell_of_the_machine_does_not_make_drafting_look_cheap():
     """On a shared CPU the machine's speed swings for seconds at a time, and where drafting
     seldom pays its rounds are timed at other moments than the AR rounds: each kind is
@@ -252,7 +273,7 @@ def test_exploration_waits_are_jittered_and_capped_per_band(band, cap):
     gate = DraftGate(table, window=4, full_window=True, tuning=GateTuning(explore_every=4))
     gate.decide([band])
     gate.update(torch.zeros(1, 4), bands=[band])          # drafting does not pay
-    explored = [i for i in range(3000) if gate.decide([band])[0]]
+    explored = [i for i in range(6000) if gate.decide([band])[0]]
     gaps = [b - a for a, b in zip(explored, explored[1:])]
     late = gaps[8:]                                        # the interval is at its cap by then
     assert gate.exploration.interval[band] == cap * 4

@@ -122,12 +122,12 @@ def test_padded_proposals_keep_the_confidences_the_gate_learns_from():
     tokens = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 5]])
     confidence = torch.full((2, 5), 0.9)
     proposal = Proposal(tokens, None, confidence, confidence.clone())
-    verified, accepted = torch.tensor([2, 2]), torch.tensor([2, 1])
+    verified, accepted = [2, 2], [2, 1]
     alone = measured_survival(5, proposal.confidence, verified, accepted)
     padded = pad_rows(proposal, 4)
     assert padded.confidence is not None and torch.equal(padded.confidence[:2], confidence)
     assert torch.equal(padded.confidence[2:], torch.zeros(2, 5))
     in_batch = measured_survival(5, padded.confidence[:2], verified, accepted)
-    assert torch.allclose(in_batch, alone)
-    assert torch.allclose(in_batch[0], torch.tensor([1, 1, 0.9, 0.81, 0.729], dtype=torch.float64))
-    assert torch.equal(in_batch[1], torch.tensor([1, 0, 0, 0, 0], dtype=torch.float64))
+    assert in_batch == alone
+    assert in_batch[0] == pytest.approx([1, 1, 0.9, 0.81, 0.729])
+    assert in_batch[1] == [1, 0, 0, 0, 0]

@@ -174,8 +174,8 @@ HOST_BORN = {("__int__", "verified_width"),   # verify lengths, planned on the h
              ("tolist", "_dense_upto")}       # the cost table
 # Device reads beyond the outcome, DSpark only: the early stop of drafting (fewer than 8 rows,
 # one per drafted slot) and the policy's learning from the confidences (after the outcome:
-# one copy, then per-band boolean masks of that host copy).
-DSPARK_READS = {("__bool__", "markov_drafts"), ("cpu", "observe"), ("__getitem__", "observe")}
+# one copy, then per-band boolean masks of that host copy, summed as plain floats).
+DSPARK_READS = {("__bool__", "markov_drafts"), ("cpu", "observe"), ("__getitem__", "observe"), ("tolist", "observe")}
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -155,6 +155,9 @@ class CostTable:
     # T at 0, 1, 2, ... tokens, filled on demand: planning looks up integer counts every round.
     _dense: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _dense_list: list[float] | None = field(default=None, init=False, repr=False, compare=False)
+    # draft_time by (rows, block): the gate prices every finished round with it.
+    _draft_memo: dict[tuple[int, float | None], float] = field(default_factory=dict, init=False, repr=False,
+                                                                compare=False)
 
     def __post_init__(self) -> None:
         check_points(self.ns, self.times_s, "n", "time_s")
@@ -209,6 +212,7 @@ class CostTable:
         self.draft_slot_times = {s: [t * factor for t in ts] for s, ts in self.draft_slot_times.items()}
         self.meta["rescaled"] = float(self.meta.get("rescaled", 1.0)) * factor
         self._dense, self._dense_list = None, None
+        self._draft_memo.clear()
 
     @property
     def has_draft_times(self) -> bool:
@@ -225,8 +229,17 @@ class CostTable:
     def draft_time(self, rows: int, block: float | None = None) -> float:
         """Interpolated draft round time in seconds for `rows` requests (needs draft times);
         with `block` and times by block length, for a round that drafts a block of that many drafts."""
+        memo = self._draft_memo.get((rows, block))
+        if memo is not None:
+            return memo
         if not self.draft_rows:
             raise BlockspecError("this cost table has no draft times (profile it with a draft)")
+        if len(self._draft_memo) >= 4096:   # an engine's row counts come and go
+            self._draft_memo.clear()
+        seconds = self._draft_memo[(rows, block)] = self._draft_time(rows, block)
+        return seconds
+
+    def _draft_time(self, rows: int, block: float | None) -> float:
         full = _interpolate_one(self.draft_rows, self.draft_times_s, float(rows))
         if block is None or not self.draft_slot_times:
             return full

@@ -10,6 +10,7 @@ tokens per second.
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,9 +24,13 @@ from blockspec.decoding.round_costs import RoundCosts
 from blockspec.errors import BlockspecError
 
 Groups = tuple[tuple[int, int], ...]   # (band, rows) runs in row order
-# A fruitless exploration doubles the band's interval, up to this many times explore_every:
-# where drafting never pays (sampling at batch 1 on a CPU), exploring costs ~1% of the time.
-MAX_BACKOFF = 16
+# A fruitless exploration doubles the band's interval, up to this many times explore_every
+# (512 rounds: four requests of 128 tokens at batch 1, the wait carried across calls by the
+# policy's memory): where drafting never pays (sampling at batch 1 on a CPU) exploring costs
+# ~0.3% of its rounds; at 16x explorations were 1% of the rounds of a CPU loop of calls at
+# temperature 1 (HumanEval 164), each a drafting round that lost to AR. A band whose exploration
+# finds drafting pays drafts every round from then on, measured by every round.
+MAX_BACKOFF = 64
 # ... and for the greedy band, up to this many: greedy acceptance changes with the text
 # (a novel start, then repetition where the draft is accepted whole), so it is checked
 # several times per request (128 rounds between explorations is a whole request at batch 1:
@@ -52,6 +57,11 @@ EXPLORE_CREDIT = 4.0
 # table changed): new round times move a median of 64 samples only slowly, and pricing
 # every option every round cost ~1% of a batch-1 AR round on a CPU.
 RECHOOSE_ROUNDS = 8
+# A drafting round's measurement moves its band's curve a little (a decayed mean over ~80
+# request-rounds); the options are priced again at once only when the curve's expected
+# tokens moved by this share since they were priced (a new curve, a run of misses), else at
+# the next RECHOOSE_ROUNDS: pricing them after every drafting round cost ~0.5% of one.
+REPRICE_SHIFT = 0.025
 
 
 @dataclass(frozen=True)
@@ -157,16 +167,18 @@ class SurvivalCurves:
     """Each temperature band's prefix-survival curve (`DraftGate`'s docstring): per slot,
     decayed sums of measured survival and of request-rounds (each request-round weighs
     momentum ** (1 / per_rows) less per later one), next to a prior worth `prior_rounds`
-    request-rounds of prefix survival prior_decay ** (j - 1) at slot j."""
+    request-rounds of prefix survival prior_decay ** (j - 1) at slot j. Plain floats: a
+    curve is a window's worth of numbers updated every drafting round, and small tensor
+    operations cost ~100 us a round on a CPU (1% of a batch-1 drafting round)."""
 
     def __init__(self, window: int, tuning: GateTuning) -> None:
         self.window, self.momentum, self.per_rows = window, tuning.momentum, tuning.explore_rows
         self.prior_rounds = tuning.prior_rounds
-        self.prior = tuning.prior_decay ** torch.arange(window, dtype=torch.float64)   # [window]
-        self.means: dict[int, torch.Tensor] = {}      # band -> [window] mean prefix survival
+        self.prior = [tuning.prior_decay ** j for j in range(window)]
+        self.means: dict[int, list[float]] = {}      # band -> [window] mean prefix survival
         self._monotone: dict[int, list[float]] = {}   # band -> `curve(band)`, until it changes
-        self._sums: dict[int, torch.Tensor] = {}
-        self._weights: dict[int, torch.Tensor] = {}
+        self._sums: dict[int, list[float]] = {}
+        self._weights: dict[int, list[float]] = {}
 
     def curve(self, band: int) -> list[float]:
         """The band's curve as the planner sees it: slots measured in different rounds are
@@ -175,35 +187,36 @@ class SurvivalCurves:
         if mean is None:
             return [1.0] * self.window
         if band not in self._monotone:
-            self._monotone[band] = torch.cummin(mean, 0).values.tolist()
+            self._monotone[band] = list(itertools.accumulate(mean, min))
         return self._monotone[band]
 
-    def add(self, band: int, rows: torch.Tensor, block: int) -> None:
-        """The band's rows' measured prefix survival [n, g'] (float64) over a block of
+    def add(self, band: int, rows: list[list[float]], block: int) -> None:
+        """The band's rows' measured prefix survival (n lists of g' floats) over a block of
         `block` >= g' slots (slots g'.. count as 0; slots past the block keep their estimate)."""
-        n = rows.shape[0]
-        total = torch.zeros(block, dtype=torch.float64)
-        total[:min(block, rows.shape[1])] = rows.sum(0)[:block]
+        n = len(rows)
+        total = [sum(col) for col in zip(*rows)][:block]
+        total += [0.0] * (block - len(total))
         if band not in self._sums:
-            self._sums[band] = torch.zeros(self.window, dtype=torch.float64)
-            self._weights[band] = torch.zeros(self.window, dtype=torch.float64)
+            self._sums[band] = [0.0] * self.window
+            self._weights[band] = [0.0] * self.window
         decay = self.momentum ** (n / self.per_rows)
         sums, weights = self._sums[band], self._weights[band]
-        sums[:block] = decay * sums[:block] + total
-        weights[:block] = decay * weights[:block] + n
+        for j in range(block):
+            sums[j] = decay * sums[j] + total[j]
+            weights[j] = decay * weights[j] + n
         self._refresh(band)
 
     def _refresh(self, band: int) -> None:
         self._monotone.pop(band, None)
-        self.means[band] = ((self.prior_rounds * self.prior + self._sums[band])
-                            / (self.prior_rounds + self._weights[band]))
+        self.means[band] = [(self.prior_rounds * p + s) / (self.prior_rounds + w)
+                            for p, s, w in zip(self.prior, self._sums[band], self._weights[band])]
 
     def state(self, band: int) -> dict[str, list[float]]:
-        return {"sums": self._sums[band].tolist(), "weights": self._weights[band].tolist()}
+        return {"sums": list(self._sums[band]), "weights": list(self._weights[band])}
 
     def load(self, band: int, state: dict[str, Any]) -> None:
-        self._sums[band] = torch.tensor(state["sums"], dtype=torch.float64)
-        self._weights[band] = torch.tensor(state["weights"], dtype=torch.float64)
+        self._sums[band] = [float(x) for x in state["sums"]]
+        self._weights[band] = [float(x) for x in state["weights"]]
         self._refresh(band)
 
 
@@ -266,7 +279,9 @@ class DraftGate:
         # Block lengths to price: the table's measured ones below the window, and the window.
         self.block_choices = [s for s in table.draft_slot_counts if s < window] + [window]
         self._explore: dict[int, int] = {}            # band -> `explore_block(band)`, until the curve changes
-        self._options: dict[Groups, list[Option]] = {}   # until the next update
+        self._options: dict[Groups, list[Option]] = {}   # until a curve or the costs change
+        self._priced: dict[int, float] = {}   # band -> its curve's expected tokens when options were priced
+        self._stale = False   # curves moved (less than REPRICE_SHIFT) since the options were priced
         self._last: dict[Groups, tuple[int, int]] = {}   # the option chosen last, per batch make-up
         self._groups: dict[tuple[int, ...], Groups] = {}   # band_groups of the bands seen
         self._age: dict[Groups, int] = {}   # rounds since that choice was priced (RECHOOSE_ROUNDS)
@@ -285,8 +300,8 @@ class DraftGate:
 
     @property
     def curves(self) -> dict[int, torch.Tensor]:
-        """band -> [window] mean prefix survival, for the bands measured so far."""
-        return self.survival.means
+        """band -> [window] mean prefix survival (float64), for the bands measured so far."""
+        return {band: torch.tensor(mean, dtype=torch.float64) for band, mean in self.survival.means.items()}
 
     def curve(self, band: int) -> list[float]:
         """The band's survival curve as the planner sees it (`SurvivalCurves.curve`)."""
@@ -297,6 +312,8 @@ class DraftGate:
         table (memoised until the next `update`)."""
         if groups in self._options:
             return self._options[groups]
+        for band, _ in groups:
+            self._priced.setdefault(band, 1.0 + sum(self.curve(band)))
         rows = sum(n for _, n in groups)
         times = self.table.times_upto(rows * (self.window + 1))
         out = [Option(0, 0, float(rows), times[rows])]
@@ -332,7 +349,7 @@ class DraftGate:
             groups = self._groups[bands] = band_groups(bands)
         start = 0
         for band, n in groups:
-            if band not in self.curves:   # measure it first
+            if band not in self.survival.means:   # measure it first
                 return start + min(n, self.explore_rows), self.window
             start += n
         if self.costs.count((False,)) < self.warm_ar_rounds:   # price AR rounds before trusting the table
@@ -390,7 +407,7 @@ class DraftGate:
         """The block a band's exploration drafts: the full window for the greedy band (and
         an unmeasured one), else the shortest block choice reaching one slot past the last
         whose survival is at least EXPLORE_FLOOR (and at least EXPLORE_MIN_SLOTS)."""
-        if band == GREEDY_BAND or band not in self.curves:
+        if band == GREEDY_BAND or band not in self.survival.means:
             return self.window
         if band not in self._explore:
             curve = self.curve(band)
@@ -406,6 +423,8 @@ class DraftGate:
         if last is not None and groups in self._age and self._age[groups] + 1 < RECHOOSE_ROUNDS:
             self._age[groups] += 1
             return last
+        if self._stale:   # the curves moved a little since the options were priced
+            self._forget_prices()
         self._age[groups] = 0
         options = self.options(groups)
         rates = {(o.rows, o.block): self.rate(o, rows) for o in options}
@@ -438,29 +457,42 @@ class DraftGate:
         """Curves or costs changed: options are priced (and chosen) again."""
         self._options.clear()
         self._age.clear()
+        self._priced.clear()
+        self._stale = False
 
-    def update(self, survival: torch.Tensor, block: int | None = None, bands: Sequence[int] | None = None) -> None:
-        """Record a drafting round's prefix survival [k, g'] over a block of `block`
-        >= g' slots (default g'; DSpark may stop sampling before the block's end: its
-        slots g'.. count as 0) for rows of these bands (default greedy); slots past
+    def _curve_moved(self, band: int) -> None:
+        """The band's curve changed: price the options again now if its expected tokens moved
+        by REPRICE_SHIFT since they were priced (or it was not priced), else at the next
+        regular pricing (RECHOOSE_ROUNDS)."""
+        priced = self._priced.get(band)
+        if priced is None or abs(1.0 + sum(self.curve(band)) - priced) > REPRICE_SHIFT * priced:
+            self._forget_prices()
+        else:
+            self._stale = True
+
+    def update(self, survival: torch.Tensor | list[list[float]], block: int | None = None,
+               bands: Sequence[int] | None = None) -> None:
+        """Record a drafting round's prefix survival [k, g'] (a tensor or k lists) over a
+        block of `block` >= g' slots (default g'; DSpark may stop sampling before the block's
+        end: its slots g'.. count as 0) for rows of these bands (default greedy); slots past
         the block keep their estimate."""
-        k = survival.shape[0]
-        if survival.numel() == 0:
+        rows = survival.tolist() if isinstance(survival, torch.Tensor) else survival
+        if not rows or not rows[0]:
             return
-        self._forget_prices()
-        block = min(survival.shape[1] if block is None else block, self.window)
-        survival = survival.detach().to("cpu", torch.float64)
-        band_of = torch.tensor(list(bands[:k]) if bands is not None else [0] * k)
-        for band in band_of.unique().tolist():
-            rows = survival[band_of == band]
-            self.survival.add(band, rows, block)
+        g = len(rows[0])
+        block = min(g if block is None else block, self.window)
+        band_of = list(bands[:len(rows)]) if bands is not None else [0] * len(rows)
+        for band in sorted(set(band_of)):
+            own = [row for row, b in zip(rows, band_of) if b == band]
+            self.survival.add(band, own, block)
             self._explore.pop(band, None)
+            self._curve_moved(band)
             # A row that accepted its whole block (greedy text that turned repetitive,
             # after a start where the draft missed) explores again next round instead of
             # after a backed-off interval (up to 128 rounds: a whole request at batch 1).
             # The interval stays: at temperature 1 a short block is now and then accepted
             # whole, and a reset interval cost five more explorations each time.
-            if rows.shape[1] >= block and float(rows[:, block - 1].max()) >= 0.5:
+            if g >= block and max(row[block - 1] for row in own) >= 0.5:
                 self.exploration.due.add(band)
             else:
                 self.exploration.due.discard(band)
@@ -469,7 +501,7 @@ class DraftGate:
     def state(self, with_costs: bool = True) -> dict[str, Any]:
         """Plain JSON-able state: each band's survival sums and exploration schedule, and
         (with_costs) the measured / predicted round-time samples."""
-        bands = {str(b): {**self.survival.state(b), **self.exploration.state(b)} for b in self.curves}
+        bands = {str(b): {**self.survival.state(b), **self.exploration.state(b)} for b in self.survival.means}
         ratios = self.costs.state() if with_costs else []
         return {"bands": bands, "ratios": ratios}
 

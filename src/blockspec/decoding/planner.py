@@ -34,9 +34,14 @@ def plan(survival: torch.Tensor, table: CostTable | None, draft_time_s: float = 
     r, g = survival.shape
     if table is None or g == 0 or r == 0:
         return torch.full((r,), g, dtype=torch.long)
+    base = r if base_rows is None else base_rows
+    if r == 1:   # one row's prefix survival is already in admission order (batch 1: every round)
+        row = survival[0].tolist()
+        if all(a >= b for a, b in zip(row, row[1:])):
+            admitted, _ = admit(row, base, table.times_upto(base + g), draft_time_s, min_survival)
+            return torch.tensor([admitted])
     flat = survival.detach().to("cpu", torch.float64).t().reshape(-1)  # index j*R + r
     order = torch.sort(flat, descending=True, stable=True).indices       # stable: ties by (j, r)
-    base = r if base_rows is None else base_rows
     admitted, _ = admit(flat[order].tolist(), base, table.times_upto(base + r * g), draft_time_s, min_survival)
     return torch.bincount(order[:admitted] % r, minlength=r)
 

@@ -65,15 +65,18 @@ class ConfidenceCalibration:
         return (confidence.double() * scale.to(confidence.device)).clamp(max=1.0)
 
     def observe(self, confidence: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Raw confidences [k, g] of a round's drafting rows, the drafts each verified and accepted [k]."""
+        """Raw confidences [k, g] of a round's drafting rows, the drafts each verified and accepted [k]
+        (summed on the host in plain floats: a few values per row, every drafting round)."""
         g = confidence.shape[1]
-        slot = torch.arange(g, device=confidence.device).unsqueeze(0)
-        at_risk = ((slot < verified.unsqueeze(1)) & (slot <= accepted.unsqueeze(1))).double()
-        hit = (slot < accepted.unsqueeze(1)).double() * at_risk
+        hit, expected = [0.0] * g, [0.0] * g
+        for conf, v, a in zip(confidence.double().tolist(), verified.tolist(), accepted.tolist()):
+            for j in range(min(g, v, a + 1)):   # the rows at risk at j: verified j, all before it accepted
+                expected[j] += conf[j]
+                hit[j] += j < a
         self.accepted *= self.momentum
         self.expected *= self.momentum
-        self.accepted[:g] += hit.sum(0).cpu()
-        self.expected[:g] += (confidence.double() * at_risk).sum(0).cpu()
+        self.accepted[:g] += torch.tensor(hit, dtype=torch.float64)
+        self.expected[:g] += torch.tensor(expected, dtype=torch.float64)
 
     def state(self) -> dict[str, list[float]]:
         return {"accepted": self.accepted.tolist(), "expected": self.expected.tolist()}
@@ -308,18 +311,17 @@ class RoundPolicy:
         k = outcome.drafting_rows
         if proposal is None or lens is None or k == 0:   # lens is None exactly when nobody drafted
             return
-        accepted = torch.tensor(outcome.accepted[:k])
-        verified = lens[:k]   # on the host (verify_lengths)
         bands = self._bands[:k] if len(self._bands) >= k else [0] * k
         if self.calibrate and outcome.raw_confidence is not None:
-            raw = outcome.raw_confidence.cpu()
-            band_of = torch.tensor(bands)
+            raw, verified = outcome.raw_confidence.cpu(), lens[:k]   # lens: on the host (verify_lengths)
+            accepted, band_of = torch.tensor(outcome.accepted[:k]), torch.tensor(bands)
             for band in sorted(set(bands)):
                 rows = band_of == band
                 self._calibration(band).observe(raw[rows], verified[rows], accepted[rows])
         if self.gate is not None:
             confidence = proposal.confidence[:k].cpu() if proposal.confidence is not None else None
-            survival = measured_survival(proposal.tokens.shape[1], confidence, verified, accepted)
+            survival = measured_survival(proposal.tokens.shape[1], confidence, lens[:k].tolist(),
+                                         outcome.accepted[:k])
             self.gate.update(survival, outcome.block, bands)
 
     def observe_time(self, rows: int, outcome: RoundOutcome, seconds: float) -> None:
@@ -379,18 +381,25 @@ def options_signature(options: PolicyOptions) -> str:
             f"min_survival={options.min_survival} feedback={options.gate_feedback} calibrate={options.calibrate}")
 
 
-def measured_survival(g: int, confidence: torch.Tensor | None, verified: torch.Tensor,
-                      accepted: torch.Tensor) -> torch.Tensor:
+def measured_survival(g: int, confidence: torch.Tensor | None, verified: Sequence[int],
+                      accepted: Sequence[int]) -> list[list[float]]:
     """What the drafting rows [k, g] showed of their prefix survival, for the gate:
     1 / 0 for each verified slot (accepted or not), and past a row's verified
     length, when all of it was accepted, the confidences' survival from there on
     (never verified, so never measured). Measured outcomes, not the confidences,
-    decide the block: a head trained for sampled acceptance under-rates greedy."""
+    decide the block: a head trained for sampled acceptance under-rates greedy.
+    Plain floats: it runs every drafting round (`SurvivalCurves`)."""
     g = g if confidence is None else confidence.shape[1]
-    slot = torch.arange(g).unsqueeze(0)
-    verified, accepted = verified.unsqueeze(1), accepted.unsqueeze(1)
-    measured = (slot < accepted).double()
-    if confidence is None:
-        return measured
-    beyond = torch.cumprod(torch.where(slot < verified, 1.0, confidence.double()), dim=1)
-    return torch.where(slot < verified, measured, beyond * (accepted == verified))
+    conf = confidence.double().tolist() if confidence is not None else None
+    out = []
+    for r, (v, a) in enumerate(zip(verified, accepted)):
+        row = [1.0 if j < a else 0.0 for j in range(min(v, g))]
+        if conf is None or a != v:
+            row += [0.0] * (g - len(row))
+        else:
+            survival = 1.0
+            for c in conf[r][len(row):]:
+                survival *= c
+                row.append(survival)
+        out.append(row)
+    return out
