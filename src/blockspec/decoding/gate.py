@@ -62,6 +62,14 @@ RECHOOSE_ROUNDS = 8
 # tokens moved by this share since they were priced (a new curve, a run of misses), else at
 # the next RECHOOSE_ROUNDS: pricing them after every drafting round cost ~0.5% of one.
 REPRICE_SHIFT = 0.025
+# While rows draft every round, AR rounds are not timed, and the AR price is the one learned
+# before, against the machine's pace of then. Where drafting wins by less than PROBE_MARGIN,
+# one round in PROBE_EVERY is an AR round (a probe, lossless like every AR round), timed
+# beside the drafting rounds and counted for the PROBE_EVERY rounds it stands for. Without
+# it, a CPU loop of calls at temperature 1 drafted every round for a third of its calls at
+# tau 1.5, its AR price 1.1-1.6x what its AR rounds then took, 0.85x AR in all.
+PROBE_EVERY = 16
+PROBE_MARGIN = 0.25
 
 
 @dataclass(frozen=True)
@@ -257,7 +265,8 @@ class DraftGate:
     round (AR by rows; drafting by drafting rows and block length) measured against
     the table, relative to the machine's pace (`round_costs.RoundCosts`).
     warm_ar_rounds (with times fed back): AR rounds run before the first decision,
-    so AR is priced by measurement, not by the table alone.
+    so AR is priced by measurement, not by the table alone. Where rows draft every
+    round and win by little, AR is timed again now and then by a probe (PROBE_EVERY).
 
     Decisions use only past rounds, never the current round's draws, and undrafted
     rows are lossless AR steps, so the output distribution is unchanged.
@@ -285,6 +294,8 @@ class DraftGate:
         self._last: dict[Groups, tuple[int, int]] = {}   # the option chosen last, per batch make-up
         self._groups: dict[tuple[int, ...], Groups] = {}   # band_groups of the bands seen
         self._age: dict[Groups, int] = {}   # rounds since that choice was priced (RECHOOSE_ROUNDS)
+        self._drafted: dict[Groups, int] = {}   # drafting rounds since the last AR round (PROBE_EVERY)
+        self._probing = False   # the round decided last is an AR probe
         self.costs = RoundCosts()   # measured / predicted round times by kind of round
 
     # -- pricing --------------------------------------------------------------------
@@ -309,7 +320,7 @@ class DraftGate:
 
     def options(self, groups: Groups) -> list[Option]:
         """AR first, then every (first b bands draft, block length) option, priced by the
-        table (memoised until the next `update`)."""
+        table (memoised until a curve moved by REPRICE_SHIFT, or at the next regular pricing)."""
         if groups in self._options:
             return self._options[groups]
         for band, _ in groups:
@@ -346,6 +357,7 @@ class DraftGate:
         if groups is None:
             if len(self._groups) >= 1024:   # an engine's batch make-ups come and go
                 self._groups.clear()
+                self._drafted.clear()
             groups = self._groups[bands] = band_groups(bands)
         start = 0
         for band, n in groups:
@@ -357,6 +369,8 @@ class DraftGate:
         choice = self._choose(groups, rows)
         k, block = choice
         self.exploration.refill()
+        if self._probe(groups, rows, choice):
+            return 0, 0
         start = 0
         for band, n in groups:
             drafting = start < k
@@ -378,6 +392,21 @@ class DraftGate:
                 break
             start += n
         return choice
+
+    def _probe(self, groups: Groups, rows: int, choice: tuple[int, int]) -> bool:
+        """Whether this round is an AR probe instead of `choice` (PROBE_EVERY, PROBE_MARGIN)."""
+        self._probing = False
+        if choice[0] == 0:
+            self._drafted[groups] = 0
+            return False
+        drafted = self._drafted[groups] = self._drafted.get(groups, 0) + 1
+        if drafted < PROBE_EVERY:
+            return False
+        self._drafted[groups] = 0
+        options = self.options(groups)
+        chosen = next(o for o in options if (o.rows, o.block) == choice)
+        self._probing = self.rate(chosen, rows) < (1.0 + PROBE_MARGIN) * self.rate(options[0], rows)
+        return self._probing
 
     def exploration_cost(self, groups: Groups, choice: tuple[int, int], trial: tuple[int, int],
                          prefix: int) -> float | None:
@@ -444,8 +473,10 @@ class DraftGate:
         predicted = self.table.time(rows + verified_drafts)
         ratio_sample = seconds / max(predicted + (self.table.draft_time(drafting_rows, block=block)
                                                   if drafting_rows else 0.0), 1e-9)
+        probe, self._probing = self._probing and drafting_rows == 0, False
         if not cold:
-            self.costs.learn(drafting_rows > 0, drafting_rows or rows, block, ratio_sample)
+            self.costs.learn(drafting_rows > 0, drafting_rows or rows, block, ratio_sample,
+                             weight=PROBE_EVERY if probe else 1)
         return ratio_sample
 
     def rescale(self, factor: float) -> None:

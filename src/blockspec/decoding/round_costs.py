@@ -74,8 +74,10 @@ class RoundCosts:
                 return self._relative(key) * self.pace
         return self.pace
 
-    def learn(self, drafting: bool, rows: int, block: int, sample: float) -> None:
-        """One timed round's measured / predicted ratio (`rows`: drafting rows when drafting)."""
+    def learn(self, drafting: bool, rows: int, block: int, sample: float, weight: int = 1) -> None:
+        """One timed round's measured / predicted ratio (`rows`: drafting rows when drafting);
+        weight: how many rounds of its kind it stands for (an AR probe among drafting rounds:
+        `gate.PROBE_EVERY`), its relative ratio counted that many times."""
         own: Key = (True, rows, block) if drafting else (False, rows)
         if self.count(own) >= KEY_SAMPLES:   # a kind measured well enough shows the pace
             self._pace.append(sample / self._relative(own))
@@ -87,8 +89,8 @@ class RoundCosts:
             samples = self._samples.get(key)
             if samples is None:
                 samples = self._samples[key] = deque(maxlen=RATIO_SAMPLES)
-            samples.append(relative)
-            self._newer[key] = self._newer.get(key, 0) + 1
+            samples.extend([relative] * weight)
+            self._newer[key] = self._newer.get(key, 0) + weight
 
     def rescale(self, factor: float) -> None:
         """The table was rescaled by `factor`: every ratio learned against the old one is
