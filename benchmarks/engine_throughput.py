@@ -54,7 +54,7 @@ def request_params(workload: str, count: int, new_tokens: int) -> list[SamplingP
     return [one(i) for i in range(count)]
 
 
-def build(target, drafts, name: str, conc: int, tree: EagleTree) -> Engine:
+def build(target, drafts, name: str, conc: int, tree: EagleTree | None = None) -> Engine:
     method, adaptive = ARMS[name]
     draft = drafts.get(method)
     if name == "eagle3-tree":
@@ -64,17 +64,31 @@ def build(target, drafts, name: str, conc: int, tree: EagleTree) -> Engine:
 
 
 def run_once(engine: Engine, prompts, params) -> dict:
+    """One run of the cell's requests: tokens/s over the whole run, and over its steps
+    begun with every slot busy or requests waiting ("loaded", as a server under load runs;
+    the rest is the drain, where the last requests finish with slots idle)."""
     before = engine.metrics()
     t0 = time.perf_counter()
     handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
-    engine.run_until_done()
+    loaded_s, loaded_tokens, last = 0.0, 0, before
+    while True:   # engine.run_until_done(), step by step; one metrics read per step, for every arm
+        t_step = time.perf_counter()
+        more = engine.step()
+        now = engine.metrics()
+        if last is before or last["waiting"] or last["running"] >= last["slots"]:   # loaded
+            loaded_s += time.perf_counter() - t_step
+            loaded_tokens += now["generated_tokens"] - last["generated_tokens"]
+        last = now
+        if not more:
+            break
     elapsed = time.perf_counter() - t0
-    after = engine.metrics()
+    after = last
     assert after["kv_bytes_in_use"] == 0 and all(h.done for h in handles)
     tokens = after["generated_tokens"] - before["generated_tokens"]
     rounds = after["request_rounds"] - before["request_rounds"]
     drafted = rounds - (after["undrafted_request_rounds"] - before["undrafted_request_rounds"])
-    return {"tokens_per_s": tokens / elapsed, "tau": tokens / max(rounds, 1), "drafted": drafted / max(rounds, 1)}
+    return {"tokens_per_s": tokens / elapsed, "tau": tokens / max(rounds, 1), "drafted": drafted / max(rounds, 1),
+            "loaded_tokens_per_s": loaded_tokens / max(loaded_s, 1e-9), "drain": 1.0 - loaded_s / elapsed}
 
 
 def main() -> None:
@@ -124,7 +138,9 @@ def main() -> None:
             tps = statistics.median(x["tokens_per_s"] for x in r)
             cell[name] = {"tokens_per_s": tps, "all": [round(x["tokens_per_s"], 1) for x in r],
                           "tau": statistics.median(x["tau"] for x in r),
-                          "drafted": statistics.median(x["drafted"] for x in r)}
+                          "drafted": statistics.median(x["drafted"] for x in r),
+                          "loaded_tokens_per_s": statistics.median(x["loaded_tokens_per_s"] for x in r),
+                          "drain": statistics.median(x["drain"] for x in r)}
         rows.append((workload, conc, cell))
         print(f"done {workload} c={conc}: " + ", ".join(f"{n} {cell[n]['tokens_per_s']:.1f}" for n in names),
               flush=True, file=sys.stderr)
@@ -146,6 +162,16 @@ def main() -> None:
         tps = {n: c[n]["tokens_per_s"] for n in names}
         cells = [f"{tps['ar']:.1f}"] + [f"{tps[n]:.1f} ({c[n]['tau']:.2f}; {c[n]['drafted']:.0%})" for n in spec]
         cells += [f"{tps[n] / tps['ar']:.2f}x" for n in ratio_cols]
+        if both:
+            cells.append(f"{tps['dspark'] / tps['dflash']:.2f}x")
+        print(f"| {workload} | {conc} | " + " | ".join(cells) + " |")
+    print("\nUnder load: tok/s over the steps begun with every slot busy or requests waiting (the drain, where "
+          "the last requests finish with slots idle, left out); in brackets, the drain's share of the wall time")
+    print("| workload | concurrency | " + " | ".join(headers) + " |")
+    print("|---" * (2 + len(names) + len(ratio_cols) + int(both)) + "|")
+    for workload, conc, c in rows:
+        tps = {n: c[n]["loaded_tokens_per_s"] for n in names}
+        cells = [f"{tps[n]:.1f} ({c[n]['drain']:.0%})" for n in names] + [f"{tps[n] / tps['ar']:.2f}x" for n in ratio_cols]
         if both:
             cells.append(f"{tps['dspark'] / tps['dflash']:.2f}x")
         print(f"| {workload} | {conc} | " + " | ".join(cells) + " |")
