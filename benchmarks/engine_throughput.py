@@ -16,8 +16,11 @@ Each (workload, concurrency) cell runs max(8, waves*c) requests per arm through 
 engine with max_running = c, so requests join as others finish, as in serving;
 tokens/s = generated tokens / wall time. One engine per arm lives through the cell's
 repeats, as a running server would (its policy keeps what it learned; the first
-repeat includes the learning), and the arms run in turn, repeat after repeat: each
-cell is the median. The adaptive arms' cost tables come from the user cache
+repeat includes the learning), and the arms run in turn, repeat after repeat (the
+order rotating): each cell is the median, each ratio to AR the median of the repeats'
+ratios (arms of one repeat run back to back, in the same spell of the machine). Beside
+it, tok/s under load: the steps begun with every slot busy or requests waiting (the
+drain at the end, where the last requests finish with slots idle, left out). The adaptive arms' cost tables come from the user cache
 (measured on first use, before any timing). Workloads: greedy; t1 (temperature 1,
 seeded); mixed (every other request greedy, the others temperature 1).
 """
@@ -91,6 +94,13 @@ def run_once(engine: Engine, prompts, params) -> dict:
             "loaded_tokens_per_s": loaded_tokens / max(loaded_s, 1e-9), "drain": 1.0 - loaded_s / elapsed}
 
 
+def paired_ratio(runs: list[dict], ar_runs: list[dict], key: str) -> float:
+    """The median over repeats of an arm's speed over AR's in the same repeat: the machine's
+    slow spells last seconds, a repeat's arms run back to back, and a ratio within a repeat
+    cancels what the spell did to both (a ratio of medians mixes runs of different spells)."""
+    return statistics.median(x[key] / a[key] for x, a in zip(runs, ar_runs))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", default="1,4,16,32")
@@ -129,14 +139,17 @@ def main() -> None:
         prompts, params = [pool[i % len(pool)] for i in range(count)], request_params(workload, count, args.new_tokens)
         engines = {name: build(target, drafts, name, conc, tree) for name in names}   # tables measured here, untimed
         runs: dict[str, list[dict]] = {name: [] for name in names}
-        for _ in range(args.repeats):  # side by side for this cell, interleaved
-            for name in names:
+        for repeat in range(args.repeats):  # side by side for this cell, interleaved; the order rotates
+            for k in range(len(names)):
+                name = names[(repeat + k) % len(names)]
                 runs[name].append(run_once(engines[name], prompts, params))
         del engines
         cell = {}
         for name, r in runs.items():
             tps = statistics.median(x["tokens_per_s"] for x in r)
             cell[name] = {"tokens_per_s": tps, "all": [round(x["tokens_per_s"], 1) for x in r],
+                          "vs_ar": paired_ratio(r, runs["ar"], "tokens_per_s"),
+                          "loaded_vs_ar": paired_ratio(r, runs["ar"], "loaded_tokens_per_s"),
                           "tau": statistics.median(x["tau"] for x in r),
                           "drafted": statistics.median(x["drafted"] for x in r),
                           "loaded_tokens_per_s": statistics.median(x["loaded_tokens_per_s"] for x in r),
@@ -150,7 +163,9 @@ def main() -> None:
           "DFlash / DSpark / EAGLE-3 = the default adaptive policy (draft gate per temperature band, DSpark "
           f"scheduled), fixed = every round drafts and verifies the full window; EAGLE-3 tree = topk "
           f"{tree.topk}, {tree.num_steps} levels, {tree.num_draft_tokens} tokens verified, fixed policy")
-    print(f"median of {args.repeats} interleaved run(s) per cell; max(8, {args.waves} x concurrency) requests per "
+    print(f"median of {args.repeats} interleaved run(s) per cell (the arms' order rotating from repeat to repeat); "
+          "X / AR: the median over repeats of X's tok/s over AR's in the same repeat; "
+          f"max(8, {args.waves} x concurrency) requests per "
           "cell; one engine per arm for the cell's repeats (the first repeat includes the policy's learning)")
     spec = [n for n in names if n != "ar"]
     ratio_cols = [n for n in spec if ARMS[n][1]]
@@ -161,7 +176,7 @@ def main() -> None:
     for workload, conc, c in rows:
         tps = {n: c[n]["tokens_per_s"] for n in names}
         cells = [f"{tps['ar']:.1f}"] + [f"{tps[n]:.1f} ({c[n]['tau']:.2f}; {c[n]['drafted']:.0%})" for n in spec]
-        cells += [f"{tps[n] / tps['ar']:.2f}x" for n in ratio_cols]
+        cells += [f"{c[n]['vs_ar']:.2f}x" for n in ratio_cols]
         if both:
             cells.append(f"{tps['dspark'] / tps['dflash']:.2f}x")
         print(f"| {workload} | {conc} | " + " | ".join(cells) + " |")
@@ -171,7 +186,8 @@ def main() -> None:
     print("|---" * (2 + len(names) + len(ratio_cols) + int(both)) + "|")
     for workload, conc, c in rows:
         tps = {n: c[n]["loaded_tokens_per_s"] for n in names}
-        cells = [f"{tps[n]:.1f} ({c[n]['drain']:.0%})" for n in names] + [f"{tps[n] / tps['ar']:.2f}x" for n in ratio_cols]
+        cells = [f"{tps[n]:.1f} ({c[n]['drain']:.0%})" for n in names] + [f"{c[n]['loaded_vs_ar']:.2f}x"
+                                                                           for n in ratio_cols]
         if both:
             cells.append(f"{tps['dspark'] / tps['dflash']:.2f}x")
         print(f"| {workload} | {conc} | " + " | ".join(cells) + " |")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from blockspec.config import SamplingParams, temperature_band
+from blockspec.decoding import gate as gate_module
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.gate import EXPLORE_BUDGET, EXPLORE_CREDIT, EXPLORE_FLOOR, GREEDY_MAX_BACKOFF, MAX_BACKOFF, PROBE_EVERY, RECHOOSE_ROUNDS, REPRICE_SHIFT, DraftGate, GateTuning, band_groups
 from blockspec.decoding.round_costs import KEY_SAMPLES, PACE_ROUNDS, RATIO_SAMPLES
@@ -145,11 +146,12 @@ def test_one_fruitless_round_does_not_make_every_slot_look_likely():
         GateTuning(prior_decay=0.0)
 
 
-def test_a_whole_block_accepted_explores_again_at_once():
+def test_a_whole_block_accepted_explores_again_at_once(monkeypatch):
     """Greedy text turns repetitive after a novel start (the shipped target loops): a band
     priced out early explores only every backed-off interval (128 rounds: a whole request
     at batch 1), so an exploration whose rows accepted the whole block explores again next
-    round; a fruitless one waits its doubled interval."""
+    round; a fruitless one waits its doubled interval (credit aside: refilled every round)."""
+    monkeypatch.setattr(gate_module, "EXPLORE_BUDGET", EXPLORE_CREDIT * 10)
     table = CostTable([1, 16], [1.0, 2.0], draft_rows=[1], draft_times_s=[1.0])
     gate = DraftGate(table, window=4, full_window=True, tuning=GateTuning(explore_every=2, momentum=1.0, jitter=False))
     assert gate.decide(1) == (1, 4)
@@ -297,11 +299,39 @@ def test_exploring_spends_a_budget_scaled_by_what_it_could_win():
     assert [i for i in range(200) if batch_one.decide(1)[0]] == [7, 23, 55, 87, 119, 151, 183]   # waits 8, 16, 32...
 
 
+def test_fruitless_explorations_expect_less_of_the_next():
+    """What an exploration could win at most (every draft accepted) is divided by its band's
+    backoff level: at 32 greedy rows on a CPU, where every exploration lost, they ran every
+    ~30 rounds (~7% of the time) on a bound of 1.8x that never came. Where the bound is
+    several times the cost (batch 1) nothing changes; a band due (its rows accepted a
+    whole block) is priced at level 1."""
+    table = CostTable([1, 16, 64], [1.0, 1.0, 3.0], draft_rows=[1, 16], draft_times_s=[0.2, 0.5])
+    gate = DraftGate(table, window=3, full_window=True, tuning=GateTuning(jitter=False))
+    gate.update(torch.zeros(4, 3))
+    many = ((0, 16),)
+    level_one = gate.exploration_cost(many, (0, 0), (4, 3), 16)   # 16 rows: 1.14x at best
+    assert gate.exploration_cost(many, (0, 0), (4, 3), 16, level=4) == pytest.approx(4 * level_one)
+    batch_one = DraftGate(table, window=15, full_window=True)   # 16 tokens in 1.2 s against 1 in 1 s
+    batch_one.update(torch.zeros(1, 15))
+    one = ((0, 1),)
+    assert batch_one.exploration_cost(one, (0, 0), (1, 15), 1, level=4) == batch_one.exploration_cost(one, (0, 0), (1, 15), 1)
+    explored = [i for i in range(2000) if gate.decide(16)[0]]   # nothing ever accepted: never due
+    for _ in explored:
+        gate.update(torch.zeros(4, 3))
+    assert gate.exploration.level(0) == GREEDY_MAX_BACKOFF
+    # three at levels 1, 2 and 4 (the credit it starts with), then one per 4 x cost of refills
+    assert len(explored) <= 3 + (EXPLORE_CREDIT + 2000 * EXPLORE_BUDGET) / (GREEDY_MAX_BACKOFF * level_one) + 1
+    gate.exploration.due.add(0)
+    assert gate.exploration.level(0) == 1
+
+
 @pytest.mark.parametrize("band, cap", [(0, GREEDY_MAX_BACKOFF), (2, MAX_BACKOFF)])
-def test_exploration_waits_are_jittered_and_capped_per_band(band, cap):
+def test_exploration_waits_are_jittered_and_capped_per_band(band, cap, monkeypatch):
     """A wait between fruitless explorations is drawn from the upper half of its interval
     (an interval as long as a request measured the same phase of every request), and the
-    greedy band's interval stops doubling sooner: its acceptance changes with the text."""
+    greedy band's interval stops doubling sooner: its acceptance changes with the text
+    (credit aside: refilled every round)."""
+    monkeypatch.setattr(gate_module, "EXPLORE_BUDGET", EXPLORE_CREDIT * 10)
     table = CostTable([1, 16], [1.0, 2.0], draft_rows=[1], draft_times_s=[1.0])
     gate = DraftGate(table, window=4, full_window=True, tuning=GateTuning(explore_every=4))
     gate.decide([band])

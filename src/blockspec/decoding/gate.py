@@ -51,6 +51,13 @@ EXPLORE_MIN_SLOTS = 2
 # pays), so it takes at most a tenth of the time where it could win a lot (the greedy band
 # at batch 1) and much less where it could win little: at 16 rows, half of them greedy, on a
 # CPU, each greedy exploration took 6 AR rounds' time, and they took half of the wall time.
+# What an exploration could win at most (every draft accepted) is divided by its band's
+# backoff level (`ExplorationSchedule.level`: each fruitless exploration makes a win that
+# large less likely; 1 while the band is due, its rows having accepted a whole block). At
+# batch 1 that bound is several times the cost and nothing changes; at 32 greedy rows on a
+# CPU, where every exploration lost (4 rows drafting the full window: 3 AR rounds' time, a
+# 1.8x win at best), they ran every ~30 rounds, ~7% of the time, and the rows they sped
+# ahead left their slots early, so the batch drained unevenly at the end.
 EXPLORE_BUDGET = 0.1
 EXPLORE_CREDIT = 4.0
 # The best option is priced again after this many rounds (or at once when a curve or the
@@ -159,6 +166,13 @@ class ExplorationSchedule:
         self.skipped[band] = self._rng.randrange(interval // 2 + 1) if self.jitter else 0
         self.due.discard(band)
         self.credit -= cost
+
+    def level(self, band: int) -> int:
+        """How far the band's explorations backed off (its interval over `every`, at most
+        GREEDY_MAX_BACKOFF); 1 while it is due (its rows accepted a whole block)."""
+        if band in self.due:
+            return 1
+        return min(self.interval.get(band, self.every) // self.every, GREEDY_MAX_BACKOFF)
 
     def refill(self) -> None:
         """A round passed."""
@@ -327,7 +341,7 @@ class DraftGate:
             # draft (or all of them) are measured again.
             if self.exploration.tick(band):
                 trial = (k, max(block, explore)) if drafting else (start + min(n, self.explore_rows), explore)
-                cost = self.exploration_cost(groups, choice, trial, start + n)
+                cost = self.exploration_cost(groups, choice, trial, start + n, self.exploration.level(band))
                 self.exploration.explored(band, 0.0 if cost is None else cost)
                 if cost is not None:
                     return trial
@@ -352,12 +366,12 @@ class DraftGate:
         return self._probing
 
     def exploration_cost(self, groups: Groups, choice: tuple[int, int], trial: tuple[int, int],
-                         prefix: int) -> float | None:
+                         prefix: int, level: int = 1) -> float | None:
         """What exploring `trial` (k rows drafting a block) instead of `choice` costs, in credit:
-        the rounds of `choice` its time exceeds them by, over the most it could win, at best 1x
-        (the trial rows, or the bands up to `prefix` rows, drafting `trial`'s block with every
-        draft accepted, against `choice`'s expected rate); None where even that would not beat
-        `choice`: exploring could not change what is chosen."""
+        the rounds of `choice` its time exceeds them by, over the most it could win divided by
+        the band's backoff `level`, at best 1x (the trial rows, or the bands up to `prefix` rows,
+        drafting `trial`'s block with every draft accepted, against `choice`'s expected rate);
+        None where even that would not beat `choice`: exploring could not change what is chosen."""
         rows = sum(n for _, n in groups)
         chosen = next(o for o in self.options(groups) if (o.rows, o.block) == choice)
         chosen_s = chosen.table_s * self.cost_ratio(chosen.rows > 0, chosen.rows or rows,
@@ -373,7 +387,7 @@ class DraftGate:
         gain = best * chosen_s / chosen.tokens - 1.0
         if gain <= 0.0:
             return None
-        return max(0.0, trial_s / chosen_s - 1.0) / min(1.0, gain)
+        return max(0.0, trial_s / chosen_s - 1.0) / min(1.0, gain / level)
 
     def explore_block(self, band: int) -> int:
         """The block a band's exploration drafts: the full window for the greedy band (and
