@@ -20,9 +20,10 @@ repeat includes the learning), and the arms run in turn, repeat after repeat (th
 order rotating): each cell is the median, each ratio to AR the median of the repeats'
 ratios (arms of one repeat run back to back, in the same spell of the machine). Beside
 it, tok/s under load: the steps begun with every slot busy or requests waiting (the
-drain at the end, where the last requests finish with slots idle, left out). The adaptive arms' cost tables come from the user cache
-(measured on first use, before any timing). Workloads: greedy; t1 (temperature 1,
-seeded); mixed (every other request greedy, the others temperature 1).
+drain at the end, where the last requests finish with slots idle, left out). The
+adaptive arms' cost tables come from the user cache (measured on first use, before any
+timing). Workloads: greedy; t1 (temperature 1, seeded); mixed (every other request
+greedy, the others temperature 1).
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from blockspec.config import SamplingParams, temperature_band
-from blockspec.decoding import gate as gate_module
+from blockspec.decoding import exploration
 from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.gate import EXPLORE_BUDGET, EXPLORE_CREDIT, EXPLORE_FLOOR, GREEDY_MAX_BACKOFF, MAX_BACKOFF, PROBE_EVERY, RECHOOSE_ROUNDS, REPRICE_SHIFT, DraftGate, GateTuning, band_groups
+from blockspec.decoding.exploration import (EXPLORE_BUDGET, EXPLORE_CREDIT, EXPLORE_FLOOR, GREEDY_MAX_BACKOFF,
+                                            MAX_BACKOFF)
+from blockspec.decoding.gate import PROBE_EVERY, RECHOOSE_ROUNDS, REPRICE_SHIFT, DraftGate, GateTuning, band_groups
 from blockspec.decoding.round_costs import KEY_SAMPLES, PACE_ROUNDS, RATIO_SAMPLES
 from blockspec.errors import BlockspecError
 
@@ -151,7 +153,7 @@ def test_a_whole_block_accepted_explores_again_at_once(monkeypatch):
     priced out early explores only every backed-off interval (128 rounds: a whole request
     at batch 1), so an exploration whose rows accepted the whole block explores again next
     round; a fruitless one waits its doubled interval (credit aside: refilled every round)."""
-    monkeypatch.setattr(gate_module, "EXPLORE_BUDGET", EXPLORE_CREDIT * 10)
+    monkeypatch.setattr(exploration, "EXPLORE_BUDGET", EXPLORE_CREDIT * 10)
     table = CostTable([1, 16], [1.0, 2.0], draft_rows=[1], draft_times_s=[1.0])
     gate = DraftGate(table, window=4, full_window=True, tuning=GateTuning(explore_every=2, momentum=1.0, jitter=False))
     assert gate.decide(1) == (1, 4)
@@ -314,10 +316,14 @@ def test_fruitless_explorations_expect_less_of_the_next():
     batch_one = DraftGate(table, window=15, full_window=True)   # 16 tokens in 1.2 s against 1 in 1 s
     batch_one.update(torch.zeros(1, 15))
     one = ((0, 1),)
-    assert batch_one.exploration_cost(one, (0, 0), (1, 15), 1, level=4) == batch_one.exploration_cost(one, (0, 0), (1, 15), 1)
-    explored = [i for i in range(2000) if gate.decide(16)[0]]   # nothing ever accepted: never due
-    for _ in explored:
-        gate.update(torch.zeros(4, 3))
+    at_level_four = batch_one.exploration_cost(one, (0, 0), (1, 15), 1, level=4)
+    assert at_level_four == batch_one.exploration_cost(one, (0, 0), (1, 15), 1)
+    explored = []
+    for i in range(2000):
+        k, _ = gate.decide(16)
+        if k:
+            explored.append(i)
+            gate.update(torch.zeros(k, 3))   # nothing ever accepted: never due
     assert gate.exploration.level(0) == GREEDY_MAX_BACKOFF
     # three at levels 1, 2 and 4 (the credit it starts with), then one per 4 x cost of refills
     assert len(explored) <= 3 + (EXPLORE_CREDIT + 2000 * EXPLORE_BUDGET) / (GREEDY_MAX_BACKOFF * level_one) + 1
@@ -331,7 +337,7 @@ def test_exploration_waits_are_jittered_and_capped_per_band(band, cap, monkeypat
     (an interval as long as a request measured the same phase of every request), and the
     greedy band's interval stops doubling sooner: its acceptance changes with the text
     (credit aside: refilled every round)."""
-    monkeypatch.setattr(gate_module, "EXPLORE_BUDGET", EXPLORE_CREDIT * 10)
+    monkeypatch.setattr(exploration, "EXPLORE_BUDGET", EXPLORE_CREDIT * 10)
     table = CostTable([1, 16], [1.0, 2.0], draft_rows=[1], draft_times_s=[1.0])
     gate = DraftGate(table, window=4, full_window=True, tuning=GateTuning(explore_every=4))
     gate.decide([band])

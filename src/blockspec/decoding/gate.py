@@ -10,7 +10,6 @@ tokens per second.
 from __future__ import annotations
 
 import heapq
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,48 +17,13 @@ from typing import Any
 import torch
 
 from blockspec.decoding.cost_table import CostTable
+from blockspec.decoding.exploration import GREEDY_BAND, ExplorationSchedule, sampled_explore_block
 from blockspec.decoding.planner import admit
 from blockspec.decoding.round_costs import RoundCosts
 from blockspec.decoding.survival import SurvivalCurves
 from blockspec.errors import BlockspecError
 
 Groups = tuple[tuple[int, int], ...]   # (band, rows) runs in row order
-# A fruitless exploration doubles the band's interval, up to this many times explore_every
-# (512 rounds: four requests of 128 tokens at batch 1, the wait carried across calls by the
-# policy's memory): where drafting never pays (sampling at batch 1 on a CPU) exploring costs
-# ~0.3% of its rounds; at 16x explorations were 1% of the rounds of a CPU loop of calls at
-# temperature 1 (HumanEval 164), each a drafting round that lost to AR. A band whose exploration
-# finds drafting pays drafts every round from then on, measured by every round.
-MAX_BACKOFF = 64
-# ... and for the greedy band, up to this many: greedy acceptance changes with the text
-# (a novel start, then repetition where the draft is accepted whole), so it is checked
-# several times per request (128 rounds between explorations is a whole request at batch 1:
-# measured, every exploration of a loop of requests fell in their novel starts).
-GREEDY_MAX_BACKOFF = 4
-GREEDY_BAND = 0   # `config.temperature_band` of greedy rows
-# A sampled band's exploration drafts up to one slot past the last whose survival is at
-# least this (at least EXPLORE_MIN_SLOTS): sampled acceptance is low and steady, a slot few
-# rounds reach is rarely measured by verifying it, and verifying it costs every exploration
-# (at temperature 1 at batch 1 on a CPU, full 16-slot explorations were most of what the
-# adaptive policy lost to AR). The greedy band explores the full window (its tail is
-# reached whole once the text repeats).
-EXPLORE_FLOOR = 0.05
-EXPLORE_MIN_SLOTS = 2
-# Explorations spend credit that every round adds EXPLORE_BUDGET of (up to EXPLORE_CREDIT):
-# an exploration costs the rounds it takes beyond the round chosen, divided by what it could
-# win at most (the explored rows accepting every draft; below 1x, as where drafting rarely
-# pays), so it takes at most a tenth of the time where it could win a lot (the greedy band
-# at batch 1) and much less where it could win little: at 16 rows, half of them greedy, on a
-# CPU, each greedy exploration took 6 AR rounds' time, and they took half of the wall time.
-# What an exploration could win at most (every draft accepted) is divided by its band's
-# backoff level (`ExplorationSchedule.level`: each fruitless exploration makes a win that
-# large less likely; 1 while the band is due, its rows having accepted a whole block). At
-# batch 1 that bound is several times the cost and nothing changes; at 32 greedy rows on a
-# CPU, where every exploration lost (4 rows drafting the full window: 3 AR rounds' time, a
-# 1.8x win at best), they ran every ~30 rounds, ~7% of the time, and the rows they sped
-# ahead left their slots early, so the batch drained unevenly at the end.
-EXPLORE_BUDGET = 0.1
-EXPLORE_CREDIT = 4.0
 # The best option is priced again after this many rounds (or at once when a curve or the
 # table changed): new round times move a median of 64 samples only slowly, and pricing
 # every option every round cost ~1% of a batch-1 AR round on a CPU.
@@ -130,61 +94,6 @@ class GateTuning:
             raise BlockspecError(f"prior_decay must be in (0, 1], got {self.prior_decay!r}")
 
 
-class ExplorationSchedule:
-    """When each temperature band explores (`DraftGate`'s docstring): rounds since it last
-    measured its exploration block (`skipped`), its current interval (`interval`, doubled
-    by each fruitless exploration up to a cap per band), bands due at once (`due`: rows
-    accepted a whole block), the jitter of each wait (a generator of its own) and the
-    credit explorations spend (EXPLORE_BUDGET per round, up to EXPLORE_CREDIT)."""
-
-    def __init__(self, every: int, *, jitter: bool = True, seed: int = 0) -> None:
-        self.every, self.jitter, self._rng = every, jitter, random.Random(seed)
-        self.skipped: dict[int, int] = {}
-        self.interval: dict[int, int] = {}
-        self.due: set[int] = set()
-        self.credit = EXPLORE_CREDIT
-
-    def measured(self, band: int) -> None:
-        """The band drafts at least its exploration block this round: nothing to explore."""
-        self.skipped[band], self.interval[band] = 0, self.every
-        self.due.discard(band)
-
-    def tick(self, band: int) -> bool:
-        """Another round without the band's exploration block: whether it is to explore
-        (its wait ran out, or it is due) and there is credit for it."""
-        self.skipped[band] = self.skipped.get(band, 0) + 1
-        waited = self.skipped[band] >= self.interval.get(band, self.every) or band in self.due
-        return waited and self.credit >= 0.0
-
-    def explored(self, band: int, cost: float) -> None:
-        """The band explores now (or was found not worth exploring, at cost 0): a wait that ran
-        out doubles the next, which starts up to half counted (jitter)."""
-        interval = self.interval.get(band, self.every)
-        if band not in self.due:
-            cap = GREEDY_MAX_BACKOFF if band == GREEDY_BAND else MAX_BACKOFF
-            interval = self.interval[band] = min(2 * interval, cap * self.every)
-        self.skipped[band] = self._rng.randrange(interval // 2 + 1) if self.jitter else 0
-        self.due.discard(band)
-        self.credit -= cost
-
-    def level(self, band: int) -> int:
-        """How far the band's explorations backed off (its interval over `every`, at most
-        GREEDY_MAX_BACKOFF); 1 while it is due (its rows accepted a whole block)."""
-        if band in self.due:
-            return 1
-        return min(self.interval.get(band, self.every) // self.every, GREEDY_MAX_BACKOFF)
-
-    def refill(self) -> None:
-        """A round passed."""
-        self.credit = min(EXPLORE_CREDIT, self.credit + EXPLORE_BUDGET)
-
-    def state(self, band: int) -> dict[str, int]:
-        return {"skipped": self.skipped.get(band, 0), "interval": self.interval.get(band, self.every)}
-
-    def load(self, band: int, state: dict[str, Any]) -> None:
-        self.skipped[band], self.interval[band] = int(state["skipped"]), int(state["interval"])
-
-
 class DraftGate:
     """Which running requests draft this round (all, none, the first bands, or a few to
     explore), and how long a block they draft (docs/design.md section 5.4).
@@ -196,23 +105,14 @@ class DraftGate:
     with every drafting row showing its band's survival curve, counting the draft
     time, and the best expected tokens per second wins.
 
-    Acceptance is learned per temperature band: greedy rows accept far more than
-    sampled ones, and a mixed batch must not average them. A band's curve is a
-    decayed mean over request-rounds (each weighs momentum ** (1 / explore_rows)
-    less per later request-round: about 80 request-rounds of memory) next to an
-    prior worth `prior_rounds` request-rounds of prefix survival decaying by
-    `prior_decay` per slot. Exploration: an unmeasured band drafts first (its first
+    Acceptance is learned per temperature band (`survival.SurvivalCurves`: a decayed
+    mean of about 80 request-rounds next to a prior): greedy rows accept far more than
+    sampled ones, and a mixed batch must not average them. Exploration
+    (`exploration.ExplorationSchedule`): an unmeasured band drafts first (its first
     `explore_rows` rows, the full block; the bands before it draft too, drafting rows
-    being a prefix); a band that does not draft, or drafts a shorter block, drafts its
-    exploration block (`explore_block`: the full window for the greedy band, as far as
-    the curve reaches for a sampled one) again after `explore_every` rounds, each
-    exploration doubling its interval up to MAX_BACKOFF x (GREEDY_MAX_BACKOFF x for the
-    greedy band), so a load where drafting never pays spends little on it; waits are
-    jittered (`GateTuning.jitter`). A band whose rows accepted a whole block explores
-    again at once: acceptance changes within a request (greedy text turning repetitive
-    after a novel start), and a backed-off interval of 128 rounds is a whole request.
-    Each exploration spends credit by its cost over what it could win at most
-    (`exploration_cost`, EXPLORE_BUDGET), and none runs where it could not win.
+    being a prefix); a band that does not draft, or drafts a shorter block, now and then
+    drafts its exploration block (`explore_block`), paying credit by its cost over what
+    it could win at most (`exploration_cost`); none runs where it could not win.
     Hysteresis: the option chosen last keeps winning unless another is expected to
     be `hysteresis` faster, so equal loads do not flap between AR and drafting.
 
@@ -391,15 +291,11 @@ class DraftGate:
 
     def explore_block(self, band: int) -> int:
         """The block a band's exploration drafts: the full window for the greedy band (and
-        an unmeasured one), else the shortest block choice reaching one slot past the last
-        whose survival is at least EXPLORE_FLOOR (and at least EXPLORE_MIN_SLOTS)."""
+        an unmeasured one), else as far as its curve reaches (`exploration.sampled_explore_block`)."""
         if band == GREEDY_BAND or band not in self.survival.means:
             return self.window
         if band not in self._explore:
-            curve = self.curve(band)
-            reached = next((j for j, x in enumerate(curve) if x < EXPLORE_FLOOR), len(curve))
-            want = max(EXPLORE_MIN_SLOTS, reached + 1)
-            self._explore[band] = next((s for s in self.block_choices if s >= want), self.window)
+            self._explore[band] = sampled_explore_block(self.curve(band), self.block_choices)
         return self._explore[band]
 
     def _choose(self, groups: Groups, rows: int) -> tuple[int, int]:
