@@ -303,8 +303,8 @@ def test_exploring_spends_a_budget_scaled_by_what_it_could_win():
 
 def test_fruitless_explorations_expect_less_of_the_next():
     """What an exploration could win at most (every draft accepted) is divided by its band's
-    backoff level: at 32 greedy rows on a CPU, where every exploration lost, they ran every
-    ~30 rounds (~7% of the time) on a bound of 1.8x that never came. Where the bound is
+    backoff level: at 32 greedy rows on a CPU, where every exploration lost, the credit let
+    one run every ~30 rounds (~7% of the time) on a bound of 1.8x that never came. Where the bound is
     several times the cost (batch 1) nothing changes; a band due (its rows accepted a
     whole block) is priced at level 1."""
     table = CostTable([1, 16, 64], [1.0, 1.0, 3.0], draft_rows=[1, 16], draft_times_s=[0.2, 0.5])

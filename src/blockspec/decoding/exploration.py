@@ -38,8 +38,9 @@ EXPLORE_MIN_SLOTS = 2
 # large less likely; 1 while the band is due, its rows having accepted a whole block). At
 # batch 1 that bound is several times the cost and nothing changes; at 32 greedy rows on a
 # CPU, where every exploration lost (4 rows drafting the full window: 3 AR rounds' time, a
-# 1.8x win at best), they ran every ~30 rounds, ~7% of the time, and the rows they sped
-# ahead left their slots early, so the batch drained unevenly at the end.
+# 1.8x win at best by the gate's own prices), the credit let one run every ~30 rounds, ~7%
+# of the time, and the rows they sped ahead left their slots early, so the batch drained
+# unevenly at the end.
 EXPLORE_BUDGET = 0.1
 EXPLORE_CREDIT = 4.0
 
