@@ -34,15 +34,17 @@ EXPLORE_MIN_SLOTS = 2
 # at batch 1) and much less where it could win little: at 16 rows, half of them greedy, on a
 # CPU, each greedy exploration took 6 AR rounds' time, and they took half of the wall time.
 # What an exploration could win at most (every draft accepted) is divided by its band's
-# backoff level (`ExplorationSchedule.level`: each fruitless exploration makes a win that
-# large less likely; 1 while the band is due, its rows having accepted a whole block). At
-# batch 1 that bound is several times the cost and nothing changes; at 32 greedy rows on a
+# backoff level, at most MAX_LEVEL (`ExplorationSchedule.level`: each fruitless exploration
+# makes a win that large less likely; 1 while the band is due, its rows having accepted a
+# whole block). At batch 1 that bound is several times the cost and nothing changes; at 32 greedy rows on a
 # CPU, where every exploration lost (4 rows drafting the full window: 3 AR rounds' time, a
 # 1.8x win at best by the gate's own prices), the credit let one run every ~30 rounds, ~7%
 # of the time, and the rows they sped ahead left their slots early, so the batch drained
 # unevenly at the end.
 EXPLORE_BUDGET = 0.1
 EXPLORE_CREDIT = 4.0
+MAX_LEVEL = 4
+
 
 def sampled_explore_block(curve: list[float], block_choices: list[int]) -> int:
     """The block a sampled band's exploration drafts: the shortest of `block_choices` (the
@@ -100,10 +102,10 @@ class ExplorationSchedule:
 
     def level(self, band: int) -> int:
         """How far the band's explorations backed off (its interval over `every`, at most
-        GREEDY_MAX_BACKOFF); 1 while it is due (its rows accepted a whole block)."""
+        MAX_LEVEL); 1 while it is due (its rows accepted a whole block)."""
         if band in self.due:
             return 1
-        return min(self.interval.get(band, self.every) // self.every, GREEDY_MAX_BACKOFF)
+        return min(self.interval.get(band, self.every) // self.every, MAX_LEVEL)
 
     def refill(self) -> None:
         """A round passed."""
