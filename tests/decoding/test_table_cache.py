@@ -195,6 +195,29 @@ def test_a_table_that_live_rounds_disprove_is_rescaled_and_written_back(fresh, m
     assert table.times_s == pytest.approx([3.0 * t for t in before], rel=1e-6)
 
 
+def test_every_policy_of_a_shared_table_follows_its_rescale(fresh, monkeypatch):
+    """Engines and `generate` calls of one process share the cached table: one policy
+    rescaling it left another's ratios learned against the old times, so its AR and
+    drafting rounds were priced `factor` times dearer (or cheaper) than measured."""
+    target = make_target()
+    draft = make_draft(target, "zlab", 4)
+    monkeypatch.setattr(table_cache, "DRIFT_SECONDS", 0.0)
+    rescaling, other = (RoundPolicy.for_method(target, draft, "dflash", PolicyOptions(memory="off"))
+                        for _ in range(2))
+    table = rescaling.gate.table
+    assert other.gate.table is table
+    ar = RoundOutcome([[]], [0], [0], [0], None, 0, 0)
+    for _ in range(2):   # cold, then learned: the other policy measured AR rounds at 1.3x the table
+        other.observe_time(1, ar, 1.3 * table.time(1))
+    assert other.gate.cost_ratio(False, 1) == pytest.approx(1.3)
+    seconds = 1.3 * table.time(1)
+    for _ in range(2 * DRIFT_ROUNDS + 1):
+        rescaling.observe_time(1, ar, 3.0 * table.time(1))
+    assert table.meta["rescaled"] == pytest.approx(3.0)
+    # The other policy's AR round is priced as it measured it, not 3x dearer.
+    assert other.gate.cost_ratio(False, 1) * table.time(1) == pytest.approx(seconds)
+
+
 def test_a_load_that_comes_and_goes_does_not_rescale_the_table():
     """Busy and quiet windows in turn (other processes starting and stopping): rescaling
     after each flipped the table (and its cached file) by 2x and back every 32 rounds."""

@@ -210,9 +210,14 @@ class CostTable:
         self.times_s = [t * factor for t in self.times_s]
         self.draft_times_s = [t * factor for t in self.draft_times_s]
         self.draft_slot_times = {s: [t * factor for t in ts] for s, ts in self.draft_slot_times.items()}
-        self.meta["rescaled"] = float(self.meta.get("rescaled", 1.0)) * factor
+        self.meta["rescaled"] = self.scale * factor
         self._dense, self._dense_list = None, None
         self._draft_memo.clear()
+
+    @property
+    def scale(self) -> float:
+        """How much the times were rescaled since they were measured (`rescale`), in all."""
+        return float(self.meta.get("rescaled", 1.0))
 
     @property
     def has_draft_times(self) -> bool:

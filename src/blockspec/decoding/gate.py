@@ -154,10 +154,12 @@ class DraftGate:
         self._drafted: dict[Groups, int] = {}   # drafting rounds since the last AR round (PROBE_EVERY)
         self._probing = False   # the round decided last is an AR probe
         self.costs = RoundCosts()   # measured / predicted round times by kind of round
+        self._scale = table.scale   # the table's scale the ratios were learned against (`follow_table`)
 
     # -- pricing --------------------------------------------------------------------
     def cost_ratio(self, drafting: bool, rows: int, block: int | None = None) -> float:
         """Measured / table round time for this kind of round (`RoundCosts.ratio`)."""
+        self.follow_table()
         return self.costs.ratio(drafting, rows, block)
 
     def rate(self, option: Option, rows: int) -> float:
@@ -208,6 +210,7 @@ class DraftGate:
         bands (an int: that many greedy rows); (0, 0) is an AR round."""
         bands = (0,) * bands if isinstance(bands, int) else tuple(bands)
         rows = len(bands)
+        self.follow_table()
         if not self.table.has_draft_times or rows == 0:
             return rows, self.window
         groups = self._groups.get(bands)
@@ -323,6 +326,7 @@ class DraftGate:
         `drafting_rows` drafted a block of `block` drafts, verifying `verified_drafts` drafts in all.
         Returns the round's measured / predicted time; cold: a round that paid one-time
         costs (the first of its kind in a process or call), returned but not learned."""
+        self.follow_table()
         predicted = self.table.time(rows + verified_drafts)
         ratio_sample = seconds / max(predicted + (self.table.draft_time(drafting_rows, block=block)
                                                   if drafting_rows else 0.0), 1e-9)
@@ -332,10 +336,15 @@ class DraftGate:
                              weight=PROBE_EVERY if probe else 1)
         return ratio_sample
 
-    def rescale(self, factor: float) -> None:
-        """The table was rescaled by `factor` (`CostTable.rescale`): prices stay as measured."""
-        self._forget_prices()
-        self.costs.rescale(factor)
+    def follow_table(self) -> None:
+        """The table was rescaled (`CostTable.rescale`: by this gate's policy, or by another
+        policy of the same cached table, as engines and `generate` calls of one process
+        share it) since the ratios were learned: they follow it, so prices stay as measured."""
+        scale = self.table.scale
+        if scale != self._scale:
+            self._forget_prices()
+            self.costs.rescale(scale / self._scale)
+            self._scale = scale
 
     def _forget_prices(self) -> None:
         """Curves or costs changed: options are priced (and chosen) again."""

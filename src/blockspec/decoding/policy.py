@@ -345,8 +345,7 @@ class RoundPolicy:
             if factor is not None:
                 log.warning("blockspec: live rounds take %.2fx the cost table's times; rescaling the table "
                             "(and its cached copy)", factor)
-                self.gate.table.rescale(factor)
-                self.gate.rescale(factor)
+                self.gate.table.rescale(factor)   # every gate of the table follows it (`follow_table`)
                 write_back(self.gate.table)
 
     # -- what it learned, kept across calls ------------------------------------------
