@@ -3,8 +3,9 @@ the AR engine vs a speculative engine whose policy never drafts (every round an 
 while target features are still captured and buffered for the draft context) vs the same
 engine as shipped (the default adaptive policy). HumanEval prompts, 128 new tokens,
 max(8, 2 x concurrency) requests per run through an engine with max_running = concurrency;
-the three engines take turns, run after run; medians (the first run, which includes the
-learning and first calls, is left out when there are more than two).
+the three engines take turns, run after run; medians, and ratios to AR as the median of
+each run's own (`measure.paired_ratio`; the first run, which includes the learning and
+first calls, is left out when there are more than two).
 
     python benchmarks/engine_ar_overhead.py [--method dflash] [--workload t1] [--concurrency 16] [--repeats 5]
 """
@@ -19,7 +20,8 @@ import torch
 from blockspec import Tokenizer, embedded, load_target
 from blockspec.bench.datasets import humaneval
 from blockspec.loading import load_drafts
-from engine_throughput import WORKLOADS, build, request_params, run_once
+from blockspec.bench.measure import paired_ratio
+from engine_throughput import WORKLOADS, build, request_params, run_once, speeds
 
 KINDS = ("ar", "drafting off", "default")
 
@@ -58,7 +60,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for kind in KINDS:
         drafted = statistics.median(r["drafted"] for r in runs[kind][kept]) if kind != "ar" else 0.0
-        print(f"| {kind} | {tps[kind]:.1f} | {tps[kind] / tps['ar']:.3f}x | {drafted:.0%} | "
+        ratio = paired_ratio(*speeds(runs[kind][kept], runs["ar"][kept], "tokens_per_s"))
+        print(f"| {kind} | {tps[kind]:.1f} | {ratio:.3f}x | {drafted:.0%} | "
               + ", ".join(f"{r['tokens_per_s']:.0f}" for r in runs[kind]) + " |")
 
 

@@ -40,6 +40,7 @@ import torch
 
 from blockspec import EagleTree, Engine, PolicyOptions, SamplingParams, Tokenizer, embedded, load_target
 from blockspec.bench.datasets import humaneval  # the bench's prompts: no bare trailing newline token
+from blockspec.bench.measure import paired_ratio
 from blockspec.loading import load_drafts
 
 # name -> (method, adaptive policy)
@@ -95,11 +96,9 @@ def run_once(engine: Engine, prompts, params) -> dict:
             "loaded_tokens_per_s": loaded_tokens / max(loaded_s, 1e-9), "drain": 1.0 - loaded_s / elapsed}
 
 
-def paired_ratio(runs: list[dict], ar_runs: list[dict], key: str) -> float:
-    """The median over repeats of an arm's speed over AR's in the same repeat: the machine's
-    slow spells last seconds, a repeat's arms run back to back, and a ratio within a repeat
-    cancels what the spell did to both (a ratio of medians mixes runs of different spells)."""
-    return statistics.median(x[key] / a[key] for x, a in zip(runs, ar_runs))
+def speeds(runs: list[dict], ar_runs: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """An arm's and AR's speeds (`key`) repeat by repeat, for `measure.paired_ratio`."""
+    return [x[key] for x in runs], [a[key] for a in ar_runs]
 
 
 def main() -> None:
@@ -149,8 +148,8 @@ def main() -> None:
         for name, r in runs.items():
             tps = statistics.median(x["tokens_per_s"] for x in r)
             cell[name] = {"tokens_per_s": tps, "all": [round(x["tokens_per_s"], 1) for x in r],
-                          "vs_ar": paired_ratio(r, runs["ar"], "tokens_per_s"),
-                          "loaded_vs_ar": paired_ratio(r, runs["ar"], "loaded_tokens_per_s"),
+                          "vs_ar": paired_ratio(*speeds(r, runs["ar"], "tokens_per_s")),
+                          "loaded_vs_ar": paired_ratio(*speeds(r, runs["ar"], "loaded_tokens_per_s")),
                           "tau": statistics.median(x["tau"] for x in r),
                           "drafted": statistics.median(x["drafted"] for x in r),
                           "loaded_tokens_per_s": statistics.median(x["loaded_tokens_per_s"] for x in r),

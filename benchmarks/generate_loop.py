@@ -10,7 +10,8 @@ Each run is the whole loop over the prompts, starting from a policy that knows n
 the arms take turns (the order rotates from prompt to prompt), so a slow spell of the
 machine falls on every arm alike. A run's speed per arm is its generated tokens over
 the sum of its calls' wall times; printed: the median over runs, each arm's ratio to
-AR and to its method's fixed window, and the share of its rounds that drafted (at
+AR and to its method's fixed window (the median over runs of the two arms' ratio in the
+same run: `measure.paired_ratio`), and the share of its rounds that drafted (at
 temperature 1, where drafting does not pay on a CPU, what exploring costs). Cost tables are measured (or read from the
 cache) before the first run, so no measurement is timed.
 """
@@ -27,6 +28,7 @@ import torch
 
 from blockspec import PolicyOptions, SamplingParams, Tokenizer, embedded, generate, load_draft, load_target
 from blockspec.bench.datasets import humaneval  # the bench's prompts: no bare trailing newline token
+from blockspec.bench.measure import paired_ratio
 from blockspec.decoding.policy import RoundPolicy
 
 # name -> (method, policy options of every call but a run's first, of its first)
@@ -93,17 +95,22 @@ def main() -> None:
         shares.append(share)
         print(f"run {r + 1}: " + ", ".join(f"{a} {speed[a]:.1f}" for a in arms) + " tok/s", file=sys.stderr)
     median = {a: statistics.median(run[a] for run in runs) for a in arms}
+
+    def speeds(arm: str) -> list[float]:
+        return [run[arm] for run in runs]
     result = {"temperature": args.temperature, "prompts": len(prompts), "new_tokens": args.new_tokens,
               "runs": runs, "median_tok_s": median, "drafted_share": shares,
-              "vs_ar": {a: median[a] / median["ar"] for a in arms},
-              "vs_fixed": {a: median[a] / median[f"{ARMS[a][0]}-fixed"] for a in arms
+              "vs_ar": {a: paired_ratio(speeds(a), speeds("ar")) for a in arms},
+              "vs_fixed": {a: paired_ratio(speeds(a), speeds(f"{ARMS[a][0]}-fixed")) for a in arms
                            if not a.endswith("-fixed") and f"{ARMS[a][0]}-fixed" in median}}
-    print(f"| arm | tok/s (median of {args.runs}) | x AR | x fixed | rounds drafted |\n|---|---|---|---|---|")
+    print(f"x AR, x fixed: the median over runs of the ratio within a run\n"
+          f"| arm | tok/s (median of {args.runs}) | x AR | x fixed | rounds drafted |\n|---|---|---|---|---|")
     for a in arms:
         fixed = result["vs_fixed"].get(a)
         share = statistics.median(s[a] for s in shares)
         print(f"| {a} | {median[a]:.1f} | {result['vs_ar'][a]:.3f} | {'-' if fixed is None else f'{fixed:.3f}'} "
               f"| {share:.0%} |")
+    print("per-run tok/s (in run order): " + "; ".join(f"{a} {[round(x, 1) for x in speeds(a)]}" for a in arms))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from blockspec import Engine, GenerateOptions, PolicyOptions, embedded
 from blockspec.bench.arms import ForcedAcceptance, accept_pattern, draft_kind
 from blockspec.bench.cli import add_bench_parser
 from blockspec.bench.datasets import BenchPrompt
-from blockspec.bench.measure import ArmTotals, collect_calibration, throughput_vs_concurrency
+from blockspec.bench.measure import ArmTotals, collect_calibration, paired_ratio, throughput_vs_concurrency
 from blockspec.bench.report import render_markdown
 from blockspec.bench.run import BenchOptions, _code_quality, _datasets, run_bench
 from blockspec.config import SamplingParams
@@ -419,3 +420,13 @@ def test_adaptive_and_fixed_arms_side_by_side(models):
     with pytest.raises(BlockspecError, match="policies"):
         run_bench(models / "target", drafts_of(models), [str(models / "prompts.jsonl")],
                   options=BenchOptions(methods=["ar"], limit=1, out_dir=out, policies=("sometimes",)))
+
+
+def test_ratios_are_paired_within_a_repeat():
+    """A slow spell that hits both arms of one repeat cancels out of that repeat's ratio;
+    the ratio of the medians mixes repeats of different spells (here 1.2x against 1.0x)."""
+    arm, ar = [100.0, 60.0, 120.0], [100.0, 50.0, 100.0]
+    assert statistics.median(arm) / statistics.median(ar) == pytest.approx(1.0)
+    assert paired_ratio(arm, ar) == pytest.approx(1.2)
+    with pytest.raises(ValueError):
+        paired_ratio(arm, ar[:2])

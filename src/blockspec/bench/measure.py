@@ -44,6 +44,13 @@ __all__ = ["sync", "rotation", "ArmTotals", "timed_run", "measure", "warm_up", "
            "throughput_vs_concurrency"]
 
 
+def paired_ratio(speeds: Sequence[float], base_speeds: Sequence[float]) -> float:
+    """The median over repeats of an arm's speed over the base arm's in the same repeat: the
+    machine's slow spells last seconds, a repeat's arms take turns, and a ratio within a
+    repeat cancels what the spell did to both (a ratio of medians mixes different spells)."""
+    return statistics.median(x / base for x, base in zip(speeds, base_speeds, strict=True))
+
+
 def sync(device: torch.device) -> None:
     """Wall-clock times are only meaningful once queued GPU work has finished."""
     if device.type == "cuda":
