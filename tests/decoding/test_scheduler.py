@@ -10,6 +10,7 @@ import torch
 from blockspec.decoding.cost_table import CostTable, interpolate, model_signature, ProfileOptions, profile_cost_table
 from blockspec.decoding.gate import RECHOOSE_ROUNDS, DraftGate, GateTuning
 from blockspec.decoding.planner import admit, plan
+from blockspec.decoding.proposal import STOP_CHECK_SLOTS
 from blockspec.decoding.policy import ConfidenceCalibration
 from blockspec.errors import BlockspecError
 from conftest import make_target
@@ -393,6 +394,10 @@ def test_early_stopped_proposal_plans_like_the_full_one():
             short = propose(draft, target, cache, anchors, sampler, stop_below=floor)
         g = short.tokens.shape[1]
         stopped_early += g < full.tokens.shape[1]
+        if g < full.tokens.shape[1]:   # at the first check (every STOP_CHECK_SLOTS slots) every row is below
+            survival = full.confidence.cumprod(1)
+            assert g % STOP_CHECK_SLOTS == 0 and bool((survival[:, g - 1] < floor).all())
+            assert g == STOP_CHECK_SLOTS or not bool((survival[:, g - 1 - STOP_CHECK_SLOTS] < floor).all())
         assert torch.equal(short.tokens, full.tokens[:, :g])
         torch.testing.assert_close(short.confidence, full.confidence[:, :g])
         for draft_s in (0.0, 0.5):
