@@ -135,10 +135,10 @@ class Forwards:
         num_drafts; the block holds the anchor and g - 1 or g mask slots by layout) costs
         less per row (default: the draft's num_drafts). confidence_map: what the policy
         plans with, from the head's raw confidences (online recalibration); the proposal
-        carries both. stop_below (DSpark with a confidence head): stop drafting at the
-        first slot where every row's prefix survival, as the policy computes it, is below
-        it (the policy never admits such slots, so they need no logits); the proposal is
-        then shorter than g. An EAGLE-3 draft proposes a chain of g drafts instead
+        carries both. stop_below (DSpark with a confidence head): stop drafting once
+        every row's prefix survival, as the policy computes it, is below it (checked every
+        `proposal.STOP_CHECK_SLOTS` slots; the policy never admits such slots, so they
+        need no logits); the proposal is then shorter than g. An EAGLE-3 draft proposes a chain of g drafts instead
         (`draft_chain`; its context already ends with the anchor)."""
         cfg = draft.config
         g = cfg.num_drafts if block is None else block
