@@ -154,6 +154,9 @@ def main() -> None:
                           "drafted": statistics.median(x["drafted"] for x in r),
                           "loaded_tokens_per_s": statistics.median(x["loaded_tokens_per_s"] for x in r),
                           "drain": statistics.median(x["drain"] for x in r)}
+            fixed = f"{name}-fixed"
+            if fixed in runs and ARMS[name][1]:   # the default against its own fixed window, paired too
+                cell[name]["vs_fixed"] = paired_ratio(*speeds(r, runs[fixed], "tokens_per_s"))
         rows.append((workload, conc, cell))
         print(f"done {workload} c={conc}: " + ", ".join(f"{n} {cell[n]['tokens_per_s']:.1f}" for n in names),
               flush=True, file=sys.stderr)
@@ -164,26 +167,28 @@ def main() -> None:
           f"scheduled), fixed = every round drafts and verifies the full window; EAGLE-3 tree = topk "
           f"{tree.topk}, {tree.num_steps} levels, {tree.num_draft_tokens} tokens verified, fixed policy")
     print(f"median of {args.repeats} interleaved run(s) per cell (the arms' order rotating from repeat to repeat); "
-          "X / AR: the median over repeats of X's tok/s over AR's in the same repeat; "
+          "X / AR (X / fixed): the median over repeats of X's tok/s over AR's (its fixed window's) in the same repeat; "
           f"max(8, {args.waves} x concurrency) requests per "
           "cell; one engine per arm for the cell's repeats (the first repeat includes the policy's learning)")
     spec = [n for n in names if n != "ar"]
     ratio_cols = [n for n in spec if ARMS[n][1]]
     both = "dflash" in names and "dspark" in names
+    fixed_cols = [n for n in ratio_cols if f"{n}-fixed" in names]
     headers = [HEADERS[n] for n in names] + [f"{HEADERS[n]} / AR" for n in ratio_cols] + ["DSpark / DFlash"] * both
-    print("| workload | concurrency | " + " | ".join(headers) + " |")
-    print("|---" * (2 + len(names) + len(ratio_cols) + int(both)) + "|")
+    print("| workload | concurrency | " + " | ".join(headers + [f"{HEADERS[n]} / fixed" for n in fixed_cols]) + " |")
+    print("|---" * (2 + len(headers) + len(fixed_cols)) + "|")
     for workload, conc, c in rows:
         tps = {n: c[n]["tokens_per_s"] for n in names}
         cells = [f"{tps['ar']:.1f}"] + [f"{tps[n]:.1f} ({c[n]['tau']:.2f}; {c[n]['drafted']:.0%})" for n in spec]
         cells += [f"{c[n]['vs_ar']:.2f}x" for n in ratio_cols]
         if both:
             cells.append(f"{tps['dspark'] / tps['dflash']:.2f}x")
+        cells += [f"{c[n]['vs_fixed']:.2f}x" for n in fixed_cols]
         print(f"| {workload} | {conc} | " + " | ".join(cells) + " |")
     print("\nUnder load: tok/s over the steps begun with every slot busy or requests waiting (the drain, where "
           "the last requests finish with slots idle, left out); in brackets, the drain's share of the wall time")
     print("| workload | concurrency | " + " | ".join(headers) + " |")
-    print("|---" * (2 + len(names) + len(ratio_cols) + int(both)) + "|")
+    print("|---" * (2 + len(headers)) + "|")
     for workload, conc, c in rows:
         tps = {n: c[n]["loaded_tokens_per_s"] for n in names}
         cells = [f"{tps[n]:.1f} ({c[n]['drain']:.0%})" for n in names] + [f"{c[n]['loaded_vs_ar']:.2f}x"
