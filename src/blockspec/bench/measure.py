@@ -40,7 +40,7 @@ from blockspec.metrics import AcceptanceStats, calibration
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
 
-__all__ = ["sync", "rotation", "ArmTotals", "timed_run", "measure", "warm_up", "calibrates", "collect_calibration",
+__all__ = ["paired_ratio", "sync", "rotation", "ArmTotals", "timed_run", "measure", "warm_up", "calibrates", "collect_calibration",
            "throughput_vs_concurrency"]
 
 

@@ -46,10 +46,11 @@ def proposal_of(tokens: torch.Tensor, probs: torch.Tensor | None, raw: torch.Ten
 
 
 # With the early stop, the survival is checked every this many drafted slots: the slots'
-# confidences in one call, not one per slot (per slot, a dozen small tensor operations cost
-# DSpark's scheduled rounds at batch 1 on a CPU ~0.75 ms, 5% of the round: as much as the
-# Markov steps a stop saves); drafting then runs up to this many slots minus one past the
-# first slot every row's survival is below the floor, slots the planner never admits.
+# confidences in one call, not one per slot (per slot, a dozen small tensor operations made
+# DSpark's scheduled rounds at batch 1 on a CPU the slowest part of its drafting after the
+# draft forward, more than the Markov steps a stop saves); drafting then runs up to this many
+# slots minus one past the first slot every row's survival is below the floor, slots the
+# planner never admits.
 STOP_CHECK_SLOTS = 4
 
 

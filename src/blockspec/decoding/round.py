@@ -138,8 +138,8 @@ class Forwards:
         carries both. stop_below (DSpark with a confidence head): stop drafting once
         every row's prefix survival, as the policy computes it, is below it (checked every
         `proposal.STOP_CHECK_SLOTS` slots; the policy never admits such slots, so they
-        need no logits); the proposal is then shorter than g. An EAGLE-3 draft proposes a chain of g drafts instead
-        (`draft_chain`; its context already ends with the anchor)."""
+        need no logits); the proposal is then shorter than g. An EAGLE-3 draft proposes
+        a chain of g drafts instead (`draft_chain`; its context already ends with the anchor)."""
         cfg = draft.config
         g = cfg.num_drafts if block is None else block
         if not 1 <= g <= cfg.num_drafts:
