@@ -153,8 +153,7 @@ class DraftGate:
         self._age: dict[Groups, int] = {}   # rounds since that choice was priced (RECHOOSE_ROUNDS)
         self._drafted: dict[Groups, int] = {}   # drafting rounds since the last AR round (PROBE_EVERY)
         self._probing = False   # the round decided last is an AR probe
-        self.costs = RoundCosts()   # measured / predicted round times by kind of round
-        self._scale = table.scale   # the table's scale the ratios were learned against (`follow_table`)
+        self.costs = RoundCosts(table.scale)   # measured / predicted round times by kind of round
 
     # -- pricing --------------------------------------------------------------------
     def cost_ratio(self, drafting: bool, rows: int, block: int | None = None) -> float:
@@ -337,14 +336,10 @@ class DraftGate:
         return ratio_sample
 
     def follow_table(self) -> None:
-        """The table was rescaled (`CostTable.rescale`: by this gate's policy, or by another
-        policy of the same cached table, as engines and `generate` calls of one process
-        share it) since the ratios were learned: they follow it, so prices stay as measured."""
-        scale = self.table.scale
-        if scale != self._scale:
+        """The table was rescaled (by any policy of it: a process's engines and `generate`
+        calls share a cached table): the ratios follow it and options are priced again."""
+        if self.costs.follow(self.table.scale):
             self._forget_prices()
-            self.costs.rescale(scale / self._scale)
-            self._scale = scale
 
     def _forget_prices(self) -> None:
         """Curves or costs changed: options are priced (and chosen) again."""

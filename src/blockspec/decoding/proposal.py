@@ -69,20 +69,17 @@ def markov_drafts(draft: DraftModel, target: TargetModel, slots: torch.Tensor, a
     state = head.initial_state(rows, slots)
     survival = torch.ones(rows, device=anchors.device)
     terms = draft.confidence_terms(slots) if early_stop else None
-    prev_tok, toks, dists, confs = anchors, [], [], []
-    prevs = [anchors.unsqueeze(1)]   # slot j's previous token: prevs[j]
-    checked = 0                      # slots whose confidences are computed (early stop)
+    prevs, dists, confs = [anchors.unsqueeze(1)], [], []   # prevs[j]: slot j's previous token; [1:] drafted
+    checked = 0                                           # slots whose confidences are computed (early stop)
     for k in range(g):
         if k % chunk == 0:
             base = target.lm_head(slots[:, k:k + chunk].to(target.dtype)).float()
-        logits_k, state = head.add_to(base[:, k % chunk], prev_tok, slots[:, k], state)
+        logits_k, state = head.add_to(base[:, k % chunk], prevs[k][:, 0], slots[:, k], state)
         if sampler.all_greedy:  # no distribution needed: the greedy rule compares tokens only
             tok = argmax_last(logits_k, keepdim=True)
         else:
             tok, dist = sample(logits_k.unsqueeze(1), sampler)
             dists.append(dist)
-        prev_tok = tok[:, 0]
-        toks.append(tok)
         prevs.append(tok)
         if terms is not None and (k + 1 - checked == STOP_CHECK_SLOTS or k + 1 == g):   # slots checked..k
             prev = torch.cat(prevs[checked:k + 1], 1)
@@ -94,7 +91,7 @@ def markov_drafts(draft: DraftModel, target: TargetModel, slots: torch.Tensor, a
             if k + 1 < g and bool((survival < stop_below).all()):
                 break
     probs = torch.cat(dists, 1) if dists else None
-    return torch.cat(toks, 1), probs, torch.cat(confs, 1) if confs else None
+    return torch.cat(prevs[1:], 1), probs, torch.cat(confs, 1) if confs else None
 
 
 def chain_proposal(draft: Eagle3Drafter, cache: Eagle3Cache, sampler: RowSampler, g: int) -> Proposal:

@@ -41,9 +41,10 @@ Key = tuple   # (False, rows) | (True, drafting rows) | (True, drafting rows, bl
 class RoundCosts:
     """Measured / predicted round-time ratios by kind of round, relative to the machine's
     pace (module docstring). `ratio` is what a kind costs now against the table;
-    `learn` takes one timed round; `rescale` follows the table being rescaled."""
+    `learn` takes one timed round; `follow` follows the table being rescaled."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale   # the table's scale the ratios are relative to (`follow`)
         self._samples: dict[Key, deque[float]] = {}   # relative ratios, the latest of each key
         self._median: dict[Key, float] = {}
         self._newer: dict[Key, int] = {}               # samples added since the key's median
@@ -92,12 +93,16 @@ class RoundCosts:
             samples.extend([relative] * weight)
             self._newer[key] = self._newer.get(key, 0) + weight
 
-    def rescale(self, factor: float) -> None:
-        """The table was rescaled by `factor`: every ratio learned against the old one is
-        divided by it, so prices stay as measured."""
+    def follow(self, scale: float) -> bool:
+        """The table is now rescaled by `scale` in all (`CostTable.scale`): every ratio learned
+        against it before is divided by the change, so prices stay as measured. Whether it changed."""
+        if scale == self.scale:
+            return False
+        factor, self.scale = scale / self.scale, scale
         for key, samples in self._samples.items():
             self._samples[key] = deque((x / factor for x in samples), maxlen=RATIO_SAMPLES)
             self._median.pop(key, None)
+        return True
 
     def _relative(self, key: Key) -> float:
         """The median of key's samples, computed when first asked for and again once
