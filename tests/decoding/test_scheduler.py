@@ -304,7 +304,8 @@ def test_gate_measures_with_few_rows_then_follows_measurements():
 
 
 def test_gate_explores_after_a_run_of_undrafted_rounds():
-    gate = DraftGate(GATE_TABLE, window=3, tuning=GateTuning(explore_every=4, explore_rows=1, jitter=False))
+    gate = DraftGate(GATE_TABLE, window=3, tuning=GateTuning(explore_every=4, explore_rows=1, jitter=False,
+                                                             best_case_share=1.0))
     gate.update(torch.zeros(1, 3))                 # drafting never pays (at 2 rows it would, all accepted)
     decisions = [gate.decide(2)[0] for _ in range(4 + 8 + 16)]
     explored = [i for i, d in enumerate(decisions) if d]

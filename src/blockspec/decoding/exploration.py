@@ -29,8 +29,8 @@ EXPLORE_FLOOR = 0.05
 EXPLORE_MIN_SLOTS = 2
 # Explorations spend credit that every round adds EXPLORE_BUDGET of (up to EXPLORE_CREDIT):
 # an exploration costs the rounds it takes beyond the round chosen, divided by what it could
-# win at most (the explored rows accepting every draft; below 1x, as where drafting rarely
-# pays), so it takes at most a tenth of the time where it could win a lot (the greedy band
+# win at most (the explored rows accepting `GateTuning.best_case_share` of their drafts; below
+# 1x, as where drafting rarely pays), so it takes at most a tenth of the time where it could win a lot (the greedy band
 # at batch 1) and much less where it could win little: at 16 rows, half of them greedy, on a
 # CPU, each greedy exploration took 6 AR rounds' time, and they took half of the wall time.
 # What an exploration could win at most (every draft accepted) is divided by its band's
@@ -53,6 +53,17 @@ def sampled_explore_block(curve: list[float], block_choices: list[int]) -> int:
     reached = next((j for j, x in enumerate(curve) if x < EXPLORE_FLOOR), len(curve))
     want = max(EXPLORE_MIN_SLOTS, reached + 1)
     return next((s for s in block_choices if s >= want), block_choices[-1])
+
+
+def credit_cost(trial_s: float, chosen_s: float, gain: float, level: int) -> float | None:
+    """What an exploration round of `trial_s` seconds, instead of the chosen round of
+    `chosen_s`, costs in credit: the chosen rounds its time exceeds them by, over the most it
+    could win (`gain`: its best case's rate over the chosen one's, less 1) divided by the
+    band's backoff `level`, at best 1x; None where `gain` <= 0: exploring could not change
+    what is chosen."""
+    if gain <= 0.0:
+        return None
+    return max(0.0, trial_s / chosen_s - 1.0) / min(1.0, gain / level)
 
 
 class ExplorationSchedule:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from blockspec.decoding.cost_table import CostTable
-from blockspec.decoding.exploration import GREEDY_BAND, ExplorationSchedule, sampled_explore_block
+from blockspec.decoding.exploration import GREEDY_BAND, ExplorationSchedule, credit_cost, sampled_explore_block
 from blockspec.decoding.planner import admit
 from blockspec.decoding.round_costs import RoundCosts
 from blockspec.decoding.survival import SurvivalCurves
@@ -67,7 +67,11 @@ def band_groups(bands: Sequence[int]) -> Groups:
 @dataclass(frozen=True, kw_only=True)
 class GateTuning:
     """The draft gate's learning and exploration constants (`DraftGate`'s docstring):
-    curve momentum per request-round group, exploration interval and rows, hysteresis,
+    curve momentum per request-round group, exploration interval and rows, the share
+    of its drafts an exploration's best case has its rows accept (`exploration_cost`: the
+    fixed windows of the shipped drafts accept a third to a half of theirs on greedy text;
+    priced with every draft accepted, explorations ran at 16 and 32 greedy rows on a CPU,
+    where drafting only ties AR, and the default trailed AR: 0.89x and 0.94-0.96x), hysteresis,
     the weight of the prior in request-rounds and its per-slot decay (the prior's prefix
     survival at slot j is prior_decay ** (j - 1): full survival at every slot made one
     fruitless round look like survival 1/3 at all 15 slots, 6 expected tokens, and a
@@ -79,6 +83,7 @@ class GateTuning:
     momentum: float = 0.95
     explore_every: int = 8
     explore_rows: int = 4
+    best_case_share: float = 0.5
     hysteresis: float = 0.05
     prior_rounds: float = 0.5
     prior_decay: float = 0.8
@@ -90,6 +95,8 @@ class GateTuning:
             raise BlockspecError("explore_every must be >= 1")
         if not 0.0 <= self.hysteresis < 1.0:
             raise BlockspecError(f"hysteresis must be in [0, 1), got {self.hysteresis!r}")
+        if not 0.0 < self.best_case_share <= 1.0:
+            raise BlockspecError(f"best_case_share must be in (0, 1], got {self.best_case_share!r}")
         if not 0.0 < self.prior_decay <= 1.0:
             raise BlockspecError(f"prior_decay must be in (0, 1], got {self.prior_decay!r}")
 
@@ -138,7 +145,7 @@ class DraftGate:
         self.full_window, self.hysteresis = full_window, tuning.hysteresis
         self.warm_ar_rounds = warm_ar_rounds
         self.table, self.window = table, window
-        self.explore_rows = tuning.explore_rows
+        self.explore_rows, self.best_case_share = tuning.explore_rows, tuning.best_case_share
         self.survival = SurvivalCurves(window, tuning)
         self.exploration = ExplorationSchedule(tuning.explore_every, jitter=tuning.jitter, seed=tuning.seed)
         self.min_survival = min_survival
@@ -269,27 +276,23 @@ class DraftGate:
 
     def exploration_cost(self, groups: Groups, choice: tuple[int, int], trial: tuple[int, int],
                          prefix: int, level: int = 1) -> float | None:
-        """What exploring `trial` (k rows drafting a block) instead of `choice` costs, in credit:
-        the rounds of `choice` its time exceeds them by, over the most it could win divided by
-        the band's backoff `level`, at best 1x (the trial rows, or the bands up to `prefix` rows,
-        drafting `trial`'s block with every draft accepted, against `choice`'s expected rate);
-        None where even that would not beat `choice`: exploring could not change what is chosen."""
+        """What exploring `trial` (k rows drafting a block) instead of `choice` costs, in credit
+        (`exploration.credit_cost`), its best case being the trial rows, or the bands up to
+        `prefix` rows, drafting `trial`'s block and accepting `best_case_share` of its drafts;
+        None where even that would not beat `choice`."""
         rows = sum(n for _, n in groups)
         chosen = next(o for o in self.options(groups) if (o.rows, o.block) == choice)
         chosen_s = chosen.table_s * self.cost_ratio(chosen.rows > 0, chosen.rows or rows,
                                                     chosen.block if chosen.rows else None)
 
-        def full_acceptance(k: int, block: int) -> tuple[float, float]:   # (tokens/s, round seconds)
+        def best_case(k: int, block: int) -> tuple[float, float]:   # (tokens/s, round seconds)
             seconds = ((self.table.draft_time(k, block=block) + self.table.time(rows + k * block))
                        * self.cost_ratio(True, k, block))
-            return (rows + k * block) / seconds, seconds
+            return (rows + k * block * self.best_case_share) / seconds, seconds
 
-        trial_rate, trial_s = full_acceptance(*trial)
-        best = max(trial_rate, full_acceptance(prefix, trial[1])[0])
-        gain = best * chosen_s / chosen.tokens - 1.0
-        if gain <= 0.0:
-            return None
-        return max(0.0, trial_s / chosen_s - 1.0) / min(1.0, gain / level)
+        trial_rate, trial_s = best_case(*trial)
+        best = max(trial_rate, best_case(prefix, trial[1])[0])
+        return credit_cost(trial_s, chosen_s, best * chosen_s / chosen.tokens - 1.0, level)
 
     def explore_block(self, band: int) -> int:
         """The block a band's exploration drafts: the full window for the greedy band (and
