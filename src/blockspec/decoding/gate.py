@@ -250,7 +250,7 @@ class DraftGate:
             # draft (or all of them) are measured again.
             if self.exploration.tick(band):
                 trial = (k, max(block, explore)) if drafting else (start + min(n, self.explore_rows), explore)
-                cost = self.exploration_cost(groups, choice, trial, start + n, self.exploration.level(band))
+                cost = self.exploration_cost(groups, choice, trial, start + n, self.exploration.level(band), band)
                 self.exploration.explored(band, 0.0 if cost is None else cost)
                 if cost is not None:
                     return trial
@@ -275,12 +275,13 @@ class DraftGate:
         return self._probing
 
     def exploration_cost(self, groups: Groups, choice: tuple[int, int], trial: tuple[int, int],
-                         prefix: int, level: int = 1) -> float | None:
+                         prefix: int, level: int = 1, band: int = GREEDY_BAND) -> float | None:
         """What exploring `trial` (k rows drafting a block) instead of `choice` costs, in credit
         (`exploration.credit_cost`), its best case being the trial rows, or the bands up to
-        `prefix` rows, drafting `trial`'s block and accepting `best_case_share` of its drafts;
-        None where even that would not beat `choice`."""
+        `prefix` rows, drafting `trial`'s block, each slot surviving as `band`'s curve says or
+        with `best_case_share`, whichever is more; None where even that would not beat `choice`."""
         rows = sum(n for _, n in groups)
+        curve = self.curve(band)
         chosen = next(o for o in self.options(groups) if (o.rows, o.block) == choice)
         chosen_s = chosen.table_s * self.cost_ratio(chosen.rows > 0, chosen.rows or rows,
                                                     chosen.block if chosen.rows else None)
@@ -288,7 +289,7 @@ class DraftGate:
         def best_case(k: int, block: int) -> tuple[float, float]:   # (tokens/s, round seconds)
             seconds = ((self.table.draft_time(k, block=block) + self.table.time(rows + k * block))
                        * self.cost_ratio(True, k, block))
-            return (rows + k * block * self.best_case_share) / seconds, seconds
+            return (rows + k * sum(max(x, self.best_case_share) for x in curve[:block])) / seconds, seconds
 
         trial_rate, trial_s = best_case(*trial)
         best = max(trial_rate, best_case(prefix, trial[1])[0])
