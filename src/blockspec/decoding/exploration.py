@@ -29,11 +29,12 @@ EXPLORE_FLOOR = 0.05
 EXPLORE_MIN_SLOTS = 2
 # Explorations spend credit that every round adds EXPLORE_BUDGET of (up to EXPLORE_CREDIT):
 # an exploration costs the rounds it takes beyond the round chosen, divided by what it could
-# win at most (the explored rows accepting `GateTuning.best_case_share` of their drafts; below
-# 1x, as where drafting rarely pays), so it takes at most a tenth of the time where it could win a lot (the greedy band
-# at batch 1) and much less where it could win little: at 16 rows, half of them greedy, on a
-# CPU, each greedy exploration took 6 AR rounds' time, and they took half of the wall time.
-# What an exploration could win at most (every draft accepted) is divided by its band's
+# win at most (`gate.DraftGate.exploration_cost`: the explored rows accepting at least
+# `GateTuning.best_case_share` of their drafts; below 1x, as where drafting rarely pays), so it
+# takes at most a tenth of the time where it could win a lot (the greedy band at batch 1) and
+# much less where it could win little: at 16 rows, half of them greedy, on a CPU, each greedy
+# exploration took 6 AR rounds' time, and they took half of the wall time.
+# What an exploration could win at most is divided by its band's
 # backoff level, at most MAX_LEVEL (`ExplorationSchedule.level`: each fruitless exploration
 # makes a win that large less likely; 1 while the band is due, its rows having accepted a
 # whole block). At batch 1 that bound is several times the cost and nothing changes; at 32 greedy rows on a
