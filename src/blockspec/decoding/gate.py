@@ -281,18 +281,19 @@ class DraftGate:
         `prefix` rows, drafting `trial`'s block, each slot surviving as `band`'s curve says or
         with `best_case_share`, whichever is more; None where even that would not beat `choice`."""
         rows = sum(n for _, n in groups)
-        curve = self.curve(band)
+        block = trial[1]
+        row_tokens = sum(max(x, self.best_case_share) for x in self.curve(band)[:block])   # each drafting row's
         chosen = next(o for o in self.options(groups) if (o.rows, o.block) == choice)
         chosen_s = chosen.table_s * self.cost_ratio(chosen.rows > 0, chosen.rows or rows,
                                                     chosen.block if chosen.rows else None)
 
-        def best_case(k: int, block: int) -> tuple[float, float]:   # (tokens/s, round seconds)
+        def best_case(k: int) -> tuple[float, float]:   # (tokens/s, round seconds) with k rows drafting
             seconds = ((self.table.draft_time(k, block=block) + self.table.time(rows + k * block))
                        * self.cost_ratio(True, k, block))
-            return (rows + k * sum(max(x, self.best_case_share) for x in curve[:block])) / seconds, seconds
+            return (rows + k * row_tokens) / seconds, seconds
 
-        trial_rate, trial_s = best_case(*trial)
-        best = max(trial_rate, best_case(prefix, trial[1])[0])
+        trial_rate, trial_s = best_case(trial[0])
+        best = max(trial_rate, best_case(prefix)[0])
         return credit_cost(trial_s, chosen_s, best * chosen_s / chosen.tokens - 1.0, level)
 
     def explore_block(self, band: int) -> int:
