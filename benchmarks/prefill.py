@@ -17,7 +17,7 @@ import torch
 from blockspec import SamplingParams, Tokenizer, embedded, load_draft, load_target
 from blockspec.bench.datasets import humaneval
 from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.prefill import _prefill_rows, padding_groups, prefill
+from blockspec.decoding.prefill import ContextSink, _prefill_rows, padding_groups, prefill
 
 
 def main() -> None:
@@ -35,7 +35,8 @@ def main() -> None:
     cap = max(lengths) + 8
     cache = target.new_cache(len(prompts), cap)
     dcache = draft.new_cache(len(prompts), cap + 32) if draft is not None else None
-    arms = {"one padded batch": _prefill_rows, "grouped": prefill}
+    tops = [-1] * len(prompts)
+    arms = {"one padded batch": lambda *a: _prefill_rows(*a, tops), "grouped": prefill}
     times: dict[str, list[float]] = {k: [] for k in arms}
     firsts = {}
     with torch.inference_mode():
@@ -45,7 +46,7 @@ def main() -> None:
                 if dcache is not None:
                     dcache.lengths.zero_()
                 t0 = time.perf_counter()
-                firsts[name] = fn(target, cache, prompts, sampler, draft, dcache)
+                firsts[name] = fn(target, cache, prompts, sampler, ContextSink(draft, dcache)).anchors
                 times[name].append(time.perf_counter() - t0)
     assert torch.equal(firsts["one padded batch"], firsts["grouped"])
     real, padded = sum(lengths), max(lengths) * len(lengths)

@@ -18,7 +18,7 @@ import torch
 from blockspec import embedded, load_draft, load_target
 from blockspec.config import DraftConfig, SamplingParams
 from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.prefill import prefill
+from blockspec.decoding.prefill import ContextSink, prefill
 from blockspec.decoding.round import propose, verify_and_commit
 from blockspec.models.draft import DraftModel
 from blockspec.models.target import TargetModel
@@ -56,7 +56,7 @@ def measure(target, draft, context: int, repeats: int) -> dict[str, float]:
     prompt = torch.randint(5, target.config.vocab_size, (context,)).tolist()
     cap = context + 64
     cache, dcache = target.new_cache(1, cap), draft.new_cache(1, cap + 32)
-    anchors = prefill(target, cache, [prompt], sampler, draft, dcache).anchors
+    anchors = prefill(target, cache, [prompt], sampler, ContextSink(draft, dcache)).anchors
     t_draft, t_verify, t_ar = [], [], []
     for _ in range(repeats):
         start_t, start_d = cache.lengths.clone(), dcache.lengths.clone()

@@ -15,7 +15,7 @@ from blockspec.decoding.captured import (CapturedSteps, captured_steps, release_
 from blockspec.decoding.generate import generate
 from blockspec.bench.arms import ForcedAcceptance
 from blockspec.decoding.policy import RoundPolicy as FixedWindow   # no table, no gate: full windows
-from blockspec.decoding.prefill import prefill
+from blockspec.decoding.prefill import ContextSink, prefill
 from blockspec.decoding.round import DENSE, Proposal, RoundInputs, speculative_round
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
@@ -70,8 +70,8 @@ def test_static_steps_equal_the_eager_forwards(rows):
     sampler = RowSampler.from_params([SamplingParams()] * rows)
     capture = tuple(draft.config.target_layer_ids)
     with torch.inference_mode():
-        anchors = prefill(target, cache, prompts, sampler, draft, dcache).anchors
-        assert torch.equal(anchors, prefill(target, ref, prompts, sampler, draft, dref).anchors)
+        anchors = prefill(target, cache, prompts, sampler, ContextSink(draft, dcache)).anchors
+        assert torch.equal(anchors, prefill(target, ref, prompts, sampler, ContextSink(draft, dref)).anchors)
         block = torch.full((rows, 4), draft.config.mask_token_id)
         block[:, 0] = anchors
         torch.testing.assert_close(steps.block_hidden(draft, block, dcache, target.embed_tokens),
@@ -162,7 +162,7 @@ def run_rounds(target, draft, prompts, policy_factory, captured: CapturedSteps |
     policy = policy_factory(g)
     out: list[list[int]] = [[] for _ in prompts]
     with torch.inference_mode():
-        anchors = prefill(target, cache, prompts, sampler, draft, dcache).anchors
+        anchors = prefill(target, cache, prompts, sampler, ContextSink(draft, dcache)).anchors
         context = None
         if draft is not None:
             context = captured.context() if captured is not None else DirectContext(draft, dcache)
@@ -267,7 +267,7 @@ def test_a_greedy_captured_round_reads_the_host_once(monkeypatch, method):
     cache, dcache = steps.new_caches(3, 64, 64 + width)
     sampler = RowSampler.from_params([SamplingParams()] * 3)
     with torch.inference_mode():
-        anchors = prefill(target, cache, prompts, sampler, draft, dcache).anchors
+        anchors = prefill(target, cache, prompts, sampler, ContextSink(draft, dcache)).anchors
         batch = RoundInputs(target, draft, cache, dcache, steps.context() if draft is not None else None, anchors,
                             sampler, forwards=steps.forwards())
         batch.bands = [0, 0, 0]   # as generate and the engine pass them

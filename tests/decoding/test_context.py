@@ -99,6 +99,28 @@ def test_seeded_prompts_enter_the_draft_context_when_their_rows_first_draft(monk
         pending.seed(0, prompts[:1], lengths[:1])           # row 0 already has context
 
 
+def test_a_prompt_longer_than_the_prompt_capacity_enters_the_draft_context_at_once():
+    """An engine budgets `prompt_capacity` waiting features per row: a longer prompt is
+    appended at prefill (as an eager append would), a shorter one waits as a copy (the
+    batch's features are not kept alive)."""
+    target = make_target(dtype=torch.float64)
+    draft = make_draft(target, "zlab", 4, dtype=torch.float64)
+    cache = draft.new_cache(3, 256)
+    pending = PendingContext(draft, cache, 16, prompt_capacity=5)
+    feat = len(draft.config.target_layer_ids) * draft.config.hidden_size
+    torch.manual_seed(0)
+    prompts = torch.randn(2, 8, feat, dtype=torch.float64)
+    pending.seed(1, prompts, torch.tensor([8, 5]))          # rows 1 (too long) and 2 (fits)
+    assert cache.lengths.tolist() == [0, 8, 0]
+    assert pending.prompts[1] is None and torch.equal(pending.prompts[2][0], prompts[1, :5])
+    assert pending.prompts[2][0].untyped_storage().data_ptr() != prompts.untyped_storage().data_ptr()
+    eager = draft.new_cache(1, 256)
+    draft.append_context(eager, prompts[:1], 8)
+    torch.testing.assert_close(cache.k[:, 1, :, :8], eager.k[:, 0, :, :8], rtol=0, atol=0)
+    pending.flush(3)
+    assert cache.lengths.tolist() == [0, 8, 5] and pending.prompts == [None, None, None]
+
+
 def test_finished_rows_leave_without_running_the_draft(monkeypatch):
     draft, cache, pending, feat = setup(rows=3)
     appended = []

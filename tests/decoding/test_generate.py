@@ -12,7 +12,7 @@ import torch
 from blockspec.config import SamplingParams
 from blockspec.decoding.generate import generate
 from blockspec.decoding.sampling import RowSampler
-from blockspec.decoding.prefill import padding_groups, prefill
+from blockspec.decoding.prefill import ContextSink, padding_groups, prefill
 from blockspec.decoding.round import Forwards, Proposal, WrappedForwards
 from blockspec.errors import BlockspecError
 from blockspec import GenerateOptions, PolicyOptions
@@ -164,10 +164,10 @@ def test_grouped_prefill_equals_prefill_one_by_one(target64):
     assert len(padding_groups([len(p) for p in prompts])) > 1
     params = [SamplingParams(temperature=1.0, seed=s) for s in range(len(prompts))]
     cache, dcache = target64.new_cache(len(prompts), 64), draft.new_cache(len(prompts), 80)
-    anchors = prefill(target64, cache, prompts, RowSampler.from_params(params), draft, dcache).anchors
+    anchors = prefill(target64, cache, prompts, RowSampler.from_params(params), ContextSink(draft, dcache)).anchors
     for r, (prompt, p) in enumerate(zip(prompts, params)):
         one, done = target64.new_cache(1, 64), draft.new_cache(1, 80)
-        alone = prefill(target64, one, [prompt], RowSampler.from_params([p]), draft, done).anchors
+        alone = prefill(target64, one, [prompt], RowSampler.from_params([p]), ContextSink(draft, done)).anchors
         assert int(alone[0]) == int(anchors[r])
         n, dn = int(one.lengths[0]), int(done.lengths[0])
         assert int(cache.lengths[r]) == n and int(dcache.lengths[r]) == dn

@@ -14,7 +14,7 @@ import torch
 from blockspec import EngineOptions, PolicyOptions
 from blockspec.config import EagleTree, SamplingParams
 from blockspec.decoding.generate import generate
-from blockspec.decoding.prefill import prefill
+from blockspec.decoding.prefill import ContextSink, prefill
 from blockspec.decoding.sampling import RowSampler
 from blockspec.engine.engine import Engine
 from blockspec.engine.prefill_chunks import DEFAULT_CHUNK, chunk_size
@@ -111,7 +111,7 @@ def test_joined_row_holds_the_whole_prompt_prefill(target64, max_running: int, r
             engine._admit()
         cache, ctx = target64.new_cache(1, 80), engine.draft.new_cache(1, 80)
         sampler = RowSampler.from_params([SamplingParams()], target64.device)
-        first = prefill(target64, cache, [LONG], sampler, engine.draft, ctx).anchors
+        first = prefill(target64, cache, [LONG], sampler, ContextSink(engine.draft, ctx)).anchors
     assert engine._running[row].id == long.request_id and engine._running[row].anchor == int(first[0])
     n = len(LONG)
     for pool, whole in ((engine.slots.cache, cache), (engine.slots.draft_cache, ctx)):

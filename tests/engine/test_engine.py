@@ -18,7 +18,7 @@ from blockspec import EngineOptions, PolicyOptions
 from blockspec.config import EagleTree, SamplingParams
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import generate
-from blockspec.decoding.prefill import prefill
+from blockspec.decoding.prefill import ContextSink, prefill
 from blockspec.decoding.round import Forwards, Proposal, WrappedForwards
 from blockspec.decoding.sampling import RowSampler, Verdict, warp
 from blockspec.engine.engine import Engine
@@ -326,6 +326,32 @@ class PatternGate:
         pass
 
 
+def test_a_request_that_never_drafts_never_runs_the_draft_over_its_prompt(monkeypatch, target64, requests):
+    """A prompt's features wait in the pool's pending context until its row first drafts:
+    rows the gate keeps in AR rounds (sampling where drafting does not pay) finish without
+    one draft forward; the row that drafts gets its prompt first, then its rounds."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine = build(target64, "dspark-gated", max_running=3)
+    appended = []
+    real = engine.draft.append_context
+    monkeypatch.setattr(engine.draft, "append_context", lambda cache, f, *a: (appended.append(f.shape[:2]),
+                                                                              real(cache, f, *a)))
+    engine.policy.gate = PatternGate([0] * 6 + [1] + [0] * 40, engine.draft.config.num_drafts)
+    engine.policy.memory = None   # (a pattern learns nothing to remember)
+    prompts = [requests[i][0] for i in (0, 1, 2)]
+    handles = [engine.submit(p, params) for p in prompts]
+    for _ in range(6):
+        engine.step()
+    assert appended == [] and engine.metrics()["drafting_rounds"] == 0
+    engine.step()                                           # row 0 drafts: its prompt, then 6 rounds' features
+    assert appended[0] == (1, len(engine._running[0].prompt)) and appended[1][0] == 1
+    while not all(h.done for h in handles):
+        engine.step()
+    assert len(appended) == 2                               # rows 1 and 2 never ran the draft
+    assert [h.result().tokens for h in handles] == [generate(target64, [p], params).completions[0].tokens
+                                                   for p in prompts]
+
+
 def test_deferred_draft_context_equals_the_full_context(monkeypatch, target64, requests):
     """AR rounds buffer the target features; after a flush every row's draft K/V equal
     those of its whole committed sequence appended at once, through row moves too."""
@@ -355,7 +381,7 @@ def test_deferred_draft_context_equals_the_full_context(monkeypatch, target64, r
             target_cache = target64.new_cache(1, 64)
             ref_cache = engine.draft.new_cache(1, 64)
             prefill(target64, target_cache, [committed], RowSampler.from_params([SamplingParams()]),
-                    engine.draft, ref_cache)
+                    ContextSink(engine.draft, ref_cache))
             n = len(committed)
             torch.testing.assert_close(engine.slots.draft_cache.k[:, row, :, :n], ref_cache.k[:, 0, :, :n])
             torch.testing.assert_close(engine.slots.draft_cache.v[:, row, :, :n], ref_cache.v[:, 0, :, :n])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from blockspec.config import DraftConfig, EagleTree, TargetConfig
-from blockspec.engine.memory import (DEFAULT_UTILIZATION, GIB, KVShapes, activation_reserve, kv_budget,
-                                       plan_kv)
+from blockspec.engine.memory import (DEFAULT_UTILIZATION, GIB, PROMPT_WAIT_POSITIONS, KVShapes, activation_reserve,
+                                     kv_budget, plan_kv)
 from blockspec.engine import memory
 from blockspec.engine.slots import SlotPool
 from blockspec.errors import BlockspecError
@@ -94,6 +94,17 @@ def test_with_a_draft_the_slot_holds_its_cache_too():
     pool = SlotPool(model, draft, plan)
     allocated = pool.cache.nbytes + pool.draft_cache.nbytes
     assert allocated + plan.slots * shapes.pending_bytes == plan.total_bytes   # + the lazily made buffer
+
+
+def test_the_slot_budgets_a_waiting_prompt():
+    """A prompt of up to prompt_positions waits for its row's first draft as target
+    features (float32): their bytes are in every slot's budget, beside the AR rounds' buffer."""
+    draft_cfg, _ = zlab_8b_draft()
+    shapes = KVShapes.of(QWEN3_8B, torch.bfloat16, draft_cfg, torch.bfloat16)
+    feature_bytes = len(draft_cfg.target_layer_ids) * draft_cfg.hidden_size * 4
+    assert shapes.prompt_positions == PROMPT_WAIT_POSITIONS
+    assert shapes.pending_bytes == (shapes.pending_positions + shapes.prompt_positions) * feature_bytes
+    assert KVShapes.of(QWEN3_8B, torch.bfloat16).prompt_positions == 0   # no draft, nothing waits
 
 
 def test_an_ar_stretch_trims_its_buffered_context_rarely():

@@ -56,12 +56,16 @@ class PendingContext:
     a CPU) and written in one copy every SETTLE_ROUNDS rounds, or before anything reads
     or moves the buffer.
 
-    A prompt's features wait here too (`seed`, from generate's prefill) until the row
-    first drafts: a call whose rows never draft (sampling where drafting does not pay)
-    never projects its prompts into the draft's K/V."""
+    A prompt's features wait here too (`seed`, from prefill) until the row first drafts:
+    a request that never drafts (sampling where drafting does not pay) never projects
+    its prompt into the draft's K/V. prompt_capacity: the longest prompt that waits (an
+    engine's memory plan budgets that many features per slot); a longer one enters the
+    draft context at once. None: any prompt waits (generate, whose batch is its own)."""
 
-    def __init__(self, draft: AnyDraft, cache: KVCache, capacity: int, keep: int | None = None) -> None:
+    def __init__(self, draft: AnyDraft, cache: KVCache, capacity: int, keep: int | None = None,
+                 prompt_capacity: int | None = None) -> None:
         self.draft, self.cache, self.capacity = draft, cache, capacity
+        self.prompt_capacity = prompt_capacity
         self.window = draft.config.num_drafts
         self.keep = keep if keep is not None else min(capacity // 2, capacity - self.window - 1)
         if not 1 <= self.keep <= capacity - self.window - 1:
@@ -103,13 +107,23 @@ class PendingContext:
     def seed(self, start: int, features: torch.Tensor, counts: torch.Tensor,
              next_tokens: torch.Tensor | None = None) -> None:
         """Rows start, start + 1, ... (one per features row) committed their prompts: row
-        start + i's first counts[i] features (and next_tokens) wait until it first drafts.
-        Their draft context must be empty."""
+        start + i's first counts[i] features (and next_tokens) wait until it first drafts
+        (copies: the batch's features are not kept alive), or enter its draft context now
+        when longer than `prompt_capacity`. Their draft context must be empty."""
         self.settle()
         for i, n in enumerate(counts.tolist()):
-            if int(self.cache.lengths[start + i]) or int(self._lengths[start + i]):
+            row = start + i
+            if int(self.cache.lengths[row]) or int(self._lengths[row]):
                 raise BlockspecError("pending context: a prompt seeds an empty row only")  # invariant
-            self.prompts[start + i] = (features[i, :n], None if next_tokens is None else next_tokens[i, :n])
+            tokens = None if next_tokens is None else next_tokens[i:i + 1, :n]
+            if self.prompt_capacity is not None and n > self.prompt_capacity:
+                cache = self.cache.slice_rows(row, row + 1)
+                if tokens is None:
+                    self.draft.append_context(cache, features[i:i + 1, :n], counts[i:i + 1])
+                else:
+                    self.draft.append_context(cache, features[i:i + 1, :n], counts[i:i + 1], tokens)
+                continue
+            self.prompts[row] = (features[i, :n].clone(), None if tokens is None else tokens[0].clone())
 
     def _flush_prompts(self, start: int, rows: int) -> None:
         """Rows start..rows-1 whose prompts wait append them to their (empty) draft context,

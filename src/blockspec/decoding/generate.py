@@ -20,7 +20,7 @@ from blockspec.decoding.context import PendingContext
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState, RequestStats
 from blockspec.decoding.penalties import LogitAdjust
 from blockspec.decoding.policy import TREE_NEEDS_FIXED_POLICY, PolicyOptions, RoundPolicy, is_tree
-from blockspec.decoding.prefill import Prefilled, prefill
+from blockspec.decoding.prefill import ContextSink, Prefilled, prefill
 from blockspec.decoding.round import DENSE, Forwards, RoundInputs, RoundOutcome, speculative_round
 from blockspec.decoding.sampling import RowSampler
 from blockspec.errors import BlockspecError
@@ -239,8 +239,8 @@ def _start(target: TargetModel, draft: AnyDraft | None, prompts: list[list[int]]
     pending = (PendingContext(draft, draft_cache, PENDING_POSITIONS)
                if draft is not None and draft_cache is not None and captured is None else None)
     t0 = time.perf_counter()
-    done = prefill(target, cache, prompts, sampler, draft, draft_cache,
-                   [-1 if p.prompt_logprobs is None else p.prompt_logprobs for p in params], pending)
+    done = prefill(target, cache, prompts, sampler, ContextSink(draft, draft_cache, pending),
+                   [-1 if p.prompt_logprobs is None else p.prompt_logprobs for p in params])
     context = captured.context() if captured is not None and draft is not None else pending
     forwards = captured.forwards() if captured is not None else DENSE
     if options.forwards is not None:

@@ -17,7 +17,7 @@ from blockspec.models.chain_draft import AnyDraft, Eagle3Drafter
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.target import TargetModel
 
-__all__ = ["Prefilled", "first_logprobs", "next_tokens", "padding_groups", "prefill"]
+__all__ = ["ContextSink", "Prefilled", "first_logprobs", "next_tokens", "padding_groups", "prefill"]
 
 
 def padding_groups(lengths: list[int], max_padding: float = 0.25) -> list[tuple[int, int]]:
@@ -47,21 +47,19 @@ class Prefilled:
 
 
 def prefill(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
-            draft: AnyDraft | None = None, draft_cache: KVCache | None = None,
-            prompt_tops: list[int] | None = None, pending: PendingContext | None = None) -> Prefilled:
+            sink: ContextSink | None = None, prompt_tops: list[int] | None = None) -> Prefilled:
     """Run the prompts through the target (right-padded, in groups of similar length:
-    `padding_groups`), seed the draft context, and sample each row's first token (the
-    first anchor; every row draws from its own generator, so grouping changes no
-    draw). prompt_tops[r] >= 0: also the log-probabilities of row r's prompt tokens.
-    pending: the prompts' features wait there until their rows first draft
-    (`PendingContext.seed`) instead of entering the draft context now."""
+    `padding_groups`), hand their features to `sink` (the draft context, now or when
+    their rows first draft), and sample each row's first token (the first anchor; every
+    row draws from its own generator, so grouping changes no draw). prompt_tops[r] >= 0:
+    also the log-probabilities of row r's prompt tokens. No sink: a target alone."""
     groups = padding_groups([len(p) for p in prompts])
     tops = prompt_tops if prompt_tops is not None else [-1] * len(prompts)
+    sink = sink if sink is not None else ContextSink()
     if len(groups) == 1:
-        return _prefill_rows(target, cache, prompts, sampler, _ContextSink(draft, draft_cache, pending, 0), tops)
+        return _prefill_rows(target, cache, prompts, sampler, sink, tops)
     parts = [_prefill_rows(target, cache.slice_rows(a, b), prompts[a:b], sampler.select(list(range(a, b))),
-                           _ContextSink(draft, draft_cache.slice_rows(a, b) if draft_cache is not None else None,
-                                        pending, a), tops[a:b])
+                           sink.rows(a, b), tops[a:b])
              for a, b in groups]
 
     def joined(name: str) -> list | None:
@@ -70,15 +68,21 @@ def prefill(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampl
     return Prefilled(torch.cat([p.anchors for p in parts]), joined("logprobs"), joined("prompt_logprobs"))
 
 
-@dataclass
-class _ContextSink:
-    """Where prefilled rows' features go: the draft context (its cache, rows from 0) or,
-    with `pending`, a PendingContext's rows first_row, first_row + 1, ..."""
+@dataclass(frozen=True)
+class ContextSink:
+    """Where prefilled rows' features go: the draft context (`draft_cache`, rows from 0)
+    or, with `pending`, that PendingContext's rows first_row, first_row + 1, ... (they
+    wait there until the rows first draft: `PendingContext.seed`). No draft: nowhere."""
 
-    draft: AnyDraft | None
-    draft_cache: KVCache | None
-    pending: PendingContext | None
-    first_row: int
+    draft: AnyDraft | None = None
+    draft_cache: KVCache | None = None
+    pending: PendingContext | None = None
+    first_row: int = 0
+
+    def rows(self, start: int, stop: int) -> ContextSink:
+        """This sink for rows start..stop-1 of the prompts."""
+        cache = self.draft_cache.slice_rows(start, stop) if self.draft_cache is not None else None
+        return ContextSink(self.draft, cache, self.pending, self.first_row + start)
 
     def take(self, features: torch.Tensor, lengths: torch.Tensor, after: torch.Tensor | None) -> None:
         """Row r's first lengths[r] features (after [R, T]: the token after each, EAGLE-3)."""
@@ -92,7 +96,7 @@ class _ContextSink:
 
 
 def _prefill_rows(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
-                  sink: _ContextSink, prompt_tops: list[int]) -> Prefilled:
+                  sink: ContextSink, prompt_tops: list[int]) -> Prefilled:
     draft = sink.draft
     device = target.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)

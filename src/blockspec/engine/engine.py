@@ -35,7 +35,7 @@ from blockspec.decoding.context import DraftContext
 from blockspec.decoding.generate import check_method, check_tree
 from blockspec.decoding.output import Completion, Detokenizer, RequestOutputState
 from blockspec.decoding.policy import PolicyOptions, RoundPolicy
-from blockspec.decoding.prefill import prefill
+from blockspec.decoding.prefill import ContextSink, prefill
 from blockspec.decoding.round import Forwards, PackedForwards, RoundInputs, speculative_round
 from blockspec.decoding.sampling import RowSampler, new_generator
 from blockspec.engine.handles import RequestHandle, RequestOutput
@@ -336,7 +336,8 @@ class Engine:
         view, draft_view = self.slots.views(first, last)
         sampler = request_sampler(new, self.target)
         tops = [-1 if r.params.prompt_logprobs is None else r.params.prompt_logprobs for r in new]
-        done = prefill(self.target, view, [r.prompt for r in new], sampler, self.draft, draft_view, tops)
+        done = prefill(self.target, view, [r.prompt for r in new], sampler,
+                       ContextSink(self.draft, draft_view, self.slots.pending, first), tops)
         for i, (req, tok) in enumerate(zip(new, done.anchors.tolist())):
             req.anchor = tok
             if done.prompt_logprobs is not None:

@@ -33,6 +33,7 @@ CPU_DEFAULT_KV_BYTES = 4 * 2**30
 CPU_DEFAULT_FREE_SHARE = 0.25
 WORKSPACE_BYTES = GIB         # allocator / library workspace kept out of the KV budget
 MIN_MODEL_LEN = 2
+PROMPT_WAIT_POSITIONS = 512   # `KVShapes.prompt_positions`
 
 
 def cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: int) -> int:
@@ -49,10 +50,11 @@ class KVShapes:
     draft_per_position: int     # 0 without a draft
     margin: int                 # positions beyond max_model_len (a block's overrun + bonus)
     pending_positions: int      # the draft cache's extra room for buffered context
-    pending_bytes: int          # buffered target features per slot (float32)
+    pending_bytes: int          # buffered target features per slot (float32): AR rounds' and a waiting prompt's
     model_max_len: int          # the target's supported length (max_position_embeddings, RoPE scaling included)
     draft_window_bytes: int = 0  # the draft's sliding layers: a fixed ring of window_span positions per slot
     draft_scratch_positions: int = 0   # an EAGLE-3 tree's expanded levels, after a row's committed positions
+    prompt_positions: int = 0   # the longest prompt whose features wait for the row's first draft
 
     @classmethod
     def of(cls, target: TargetConfig, target_dtype: torch.dtype, draft: DraftConfig | ChainDraftConfig | None = None,
@@ -67,13 +69,19 @@ class KVShapes:
         # for four blocks trims it once per block of rounds or less; with room for two (34
         # positions at block 16) it trimmed every other AR round (0.7% of a batch-1 CPU run, profiled).
         pending = max(64, 4 * (draft.block_size + 1))
+        # A prompt's features wait until its row first drafts (`PendingContext.seed`): a request
+        # at a temperature where drafting does not pay then never runs the draft over its prompt
+        # (2-3% of a 16-row engine's time at temperature 1 on a CPU). Prompts up to this long
+        # wait; a longer one enters the draft context at prefill.
+        prompt = PROMPT_WAIT_POSITIONS
         sliding = sum(draft.layer_window(i) is not None for i in range(draft.num_hidden_layers))
         dtype = draft_dtype or target_dtype
         draft_pos = cache_bytes(draft.num_hidden_layers - sliding, draft.num_key_value_heads, draft.head_dim, dtype, 1)
         ring = cache_bytes(sliding, draft.num_key_value_heads, draft.head_dim, dtype, draft.window_span) if sliding else 0
         scratch = draft.tree.scratch_slots if isinstance(draft, ChainDraftConfig) and draft.tree is not None else 0
-        return cls(per_pos, draft_pos, draft.block_size + 2, pending,
-                   pending * len(draft.target_layer_ids) * draft.hidden_size * 4, model_len, ring, scratch)
+        feature_bytes = len(draft.target_layer_ids) * draft.hidden_size * 4
+        return cls(per_pos, draft_pos, draft.block_size + 2, pending, (pending + prompt) * feature_bytes, model_len,
+                   ring, scratch, prompt)
 
     def slot_bytes(self, max_model_len: int) -> int:
         return (self.target_per_position * (max_model_len + self.margin) + self.draft_kv_bytes(max_model_len)

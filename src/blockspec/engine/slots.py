@@ -24,8 +24,9 @@ from blockspec.models.target import TargetModel
 class SlotPool:
     """`plan.slots` KV slots of `plan.max_model_len` positions (plus the block margin) for the
     target (and the draft): exactly the plan's bytes (`plan.slot_bytes` per slot).
-    buffered: the draft context of rounds that did not draft waits in a `PendingContext`
-    (eager rounds); captured rounds append every round's context at once (no buffer)."""
+    buffered: the draft context of rounds that did not draft, and a prompt of at most
+    `plan.shapes.prompt_positions`, wait in a `PendingContext` until the row drafts (eager
+    rounds); captured rounds append every round's context at once (no buffer)."""
 
     def __init__(self, target: TargetModel, draft: AnyDraft | None, plan: MemoryPlan,
                  buffered: bool = True) -> None:
@@ -38,7 +39,8 @@ class SlotPool:
             self.cache = target.new_cache(self.rows, self.slot_capacity)
             self.draft_cache = (draft.new_cache(self.rows, self.slot_capacity + self.pending_capacity)
                                 if draft is not None else None)
-        self.pending = (PendingContext(draft, self.draft_cache, self.pending_capacity)
+        self.pending = (PendingContext(draft, self.draft_cache, self.pending_capacity,
+                                       prompt_capacity=plan.shapes.prompt_positions)
                         if buffered and draft is not None and self.draft_cache is not None else None)
 
     def usage(self, running: int) -> dict[str, int]:
