@@ -1,9 +1,10 @@
 """What an AR round costs inside a speculative engine (issue 28, "near-free AR stretches"):
 the AR engine vs a speculative engine whose policy never drafts (every round an AR step,
-while target features are still captured and buffered for the draft context) vs the same
-engine as shipped (the default adaptive policy). HumanEval prompts, 128 new tokens,
+while target features are still captured and buffered for the draft context), the same
+with every prompt entering the draft context at prefill (as before the prompts waited for
+their rows' first draft), and the engine as shipped (the default adaptive policy). HumanEval prompts, 128 new tokens,
 max(8, 2 x concurrency) requests per run through an engine with max_running = concurrency;
-the three engines take turns, run after run; medians, and ratios to AR as the median of
+the engines take turns (the order rotating from run to run); medians, and ratios to AR as the median of
 each run's own (`measure.paired_ratio`; the first run, which includes the learning and
 first calls, is left out when there are more than two).
 
@@ -23,7 +24,7 @@ from blockspec.loading import load_drafts
 from blockspec.bench.measure import paired_ratio
 from engine_throughput import WORKLOADS, build, request_params, run_once, speeds
 
-KINDS = ("ar", "drafting off", "default")
+KINDS = ("ar", "drafting off", "drafting off, eager prompts", "default")
 
 
 def main() -> None:
@@ -43,13 +44,19 @@ def main() -> None:
     params = request_params(args.workload, count, 128)
     engines = {"ar": build(target, drafts, "ar", args.concurrency),
                "drafting off": build(target, drafts, args.method, args.concurrency),
+               "drafting off, eager prompts": build(target, drafts, args.method, args.concurrency),
                "default": build(target, drafts, args.method, args.concurrency)}
     # Bench-only: the policy's decision is always an AR round; everything else (feature
     # capture, the draft context's buffer, the policy's bookkeeping) runs as shipped.
-    engines["drafting off"].policy.decide = lambda bands: (0, 0)
+    # With a prompt capacity of 0 every prompt is longer than what may wait: it enters the
+    # draft context at prefill.
+    for kind in ("drafting off", "drafting off, eager prompts"):
+        engines[kind].policy.decide = lambda bands: (0, 0)
+    engines["drafting off, eager prompts"].slots.pending.prompt_capacity = 0
     runs: dict[str, list[dict]] = {k: [] for k in KINDS}
-    for _ in range(args.repeats):
-        for kind in KINDS:
+    for rep in range(args.repeats):
+        for i in range(len(KINDS)):
+            kind = KINDS[(rep + i) % len(KINDS)]
             runs[kind].append(run_once(engines[kind], prompts, params))
     kept = slice(1, None) if args.repeats > 2 else slice(None)
     tps = {k: statistics.median(r["tokens_per_s"] for r in runs[k][kept]) for k in KINDS}
