@@ -9,6 +9,7 @@ import torch
 
 from blockspec import PolicyOptions
 from blockspec.decoding import cost_table, table_cache
+from blockspec.decoding import policy as policy_module
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.policy import RoundPolicy
 from blockspec.decoding.round import RoundOutcome
@@ -177,6 +178,7 @@ def test_a_table_that_live_rounds_disprove_is_rescaled_and_written_back(fresh, m
     target = make_target()
     draft = make_draft(target, "zlab", 4)
     monkeypatch.setattr(table_cache, "DRIFT_SECONDS", 0.0)   # windows of rounds only (tiny tables)
+    monkeypatch.setattr(policy_module, "AR_TIMING_S", 0.0)   # every AR round timed
     policy = RoundPolicy.for_method(target, draft, "dflash", PolicyOptions(memory="off"))
     table = policy.gate.table
     before = list(table.times_s)
@@ -195,6 +197,34 @@ def test_a_table_that_live_rounds_disprove_is_rescaled_and_written_back(fresh, m
     assert table.times_s == pytest.approx([3.0 * t for t in before], rel=1e-6)
 
 
+def test_an_ar_stretch_times_one_round_per_ar_timing_span(fresh, monkeypatch):
+    """Past the warm-up, AR rounds are timed once AR_TIMING_S of them ran (the rest only
+    add their seconds to the drift check's window); drafting rounds and AR probes are
+    always timed."""
+    target = make_target()
+    draft = make_draft(target, "zlab", 4)
+    policy = RoundPolicy.for_method(target, draft, "dflash", PolicyOptions(memory="off"))
+    timed = []
+    real = policy.gate.observe
+    monkeypatch.setattr(policy.gate, "observe", lambda *a, **k: (timed.append(a[1]), real(*a, **k))[1])
+    ar = RoundOutcome([[]], [0], [0], [0], None, 0, 0)
+    drafting = RoundOutcome([[1, 2, 3]], [3], [1], [0], None, 1, 3)
+    s = 0.3 * policy_module.AR_TIMING_S
+    for _ in range(1 + policy_module.WARM_AR_ROUNDS):      # the cold round, then the warm-up: each timed
+        policy.observe_time(1, ar, s)
+    assert len(timed) == 1 + policy_module.WARM_AR_ROUNDS
+    for _ in range(40):                                      # then one in four (0.3, 0.6, 0.9, 1.2 x the span)
+        policy.observe_time(1, ar, s)
+    assert len(timed) == 1 + policy_module.WARM_AR_ROUNDS + 10
+    assert policy.drift.elapsed == pytest.approx((policy_module.WARM_AR_ROUNDS + 40) * s)   # every round's seconds
+    policy.observe_time(1, ar, s)
+    policy.observe_time(1, drafting, s)                      # a drafting round: timed (twice: the first is cold)
+    policy.observe_time(1, drafting, s)
+    policy.gate._probing = True                              # an AR probe among drafting rounds: timed
+    policy.observe_time(1, ar, s)
+    assert timed[-3:] == [1, 1, 0] and len(timed) == 1 + policy_module.WARM_AR_ROUNDS + 13
+
+
 def test_every_policy_of_a_shared_table_follows_its_rescale(fresh, monkeypatch):
     """Engines and `generate` calls of one process share the cached table: one policy
     rescaling it left another's ratios learned against the old times, so its AR and
@@ -202,6 +232,7 @@ def test_every_policy_of_a_shared_table_follows_its_rescale(fresh, monkeypatch):
     target = make_target()
     draft = make_draft(target, "zlab", 4)
     monkeypatch.setattr(table_cache, "DRIFT_SECONDS", 0.0)
+    monkeypatch.setattr(policy_module, "AR_TIMING_S", 0.0)   # every AR round timed
     rescaling, other = (RoundPolicy.for_method(target, draft, "dflash", PolicyOptions(memory="off"))
                         for _ in range(2))
     table = rescaling.gate.table

@@ -16,6 +16,7 @@ import torch
 
 from blockspec import EngineOptions, PolicyOptions
 from blockspec.config import EagleTree, SamplingParams
+from blockspec.decoding import policy as policy_module
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.generate import generate
 from blockspec.decoding.prefill import ContextSink, prefill
@@ -568,7 +569,9 @@ def test_gate_drafts_shorter_blocks_and_output_still_equals_ar(monkeypatch, targ
 @pytest.mark.parametrize("config", ["dflash-gated", "dspark-scheduled"])
 def test_gate_observes_every_round_it_gated(monkeypatch, target64, requests, config):
     """With feedback on, every round reports its rows, drafting rows, verified drafts
-    and wall time to the gate: they add up to the engine's own counts."""
+    and wall time to the gate: they add up to the engine's own counts (every AR round
+    timed: `AR_TIMING_S` 0)."""
+    monkeypatch.setattr(policy_module, "AR_TIMING_S", 0.0)
     table = GATED_TABLE
     draft = (make_draft(target64, "zlab", 4) if config == "dflash-gated" else
              make_draft(target64, "deepspec", 3, markov_rank=4, markov_type="gated", confidence=True))

@@ -340,6 +340,11 @@ class DraftGate:
                              weight=PROBE_EVERY if probe else 1)
         return ratio_sample
 
+    def times_every_ar_round(self) -> bool:
+        """Whether the next AR round's time is needed: an AR probe's (weighed against the
+        drafting rounds around it), or AR rounds' while they warm the prices up."""
+        return self._probing or self.costs.count((False,)) < self.warm_ar_rounds
+
     def follow_table(self) -> None:
         """The table was rescaled (by any policy of it: a process's engines and `generate`
         calls share a cached table): the ratios follow it and options are priced again."""

@@ -153,6 +153,11 @@ def is_tree(draft: AnyDraft | None) -> bool:
 EARLY_STOP_ROWS = 8
 # AR rounds the gate measures before its first decision (with round times fed back).
 WARM_AR_ROUNDS = 3
+# Past its warm-up, an AR round's time is learned once AR rounds of at least this many
+# seconds ran since the last one learned: the machine's pace moves over seconds, and at
+# batch 1 on a CPU (rounds of 5-8 ms) learning every round's time was about half of an
+# AR round's upkeep in a speculative call (~40 of ~80 us a round, timed in place).
+AR_TIMING_S = 0.02
 
 
 class RoundPolicy:
@@ -187,6 +192,7 @@ class RoundPolicy:
         self.memory: PolicyMemory | None = None   # where `remember` keeps what it learned
         self.drift = drift_of(table) if table is not None else CostDrift()
         self._timed: set[bool] = set()   # kinds of round (drafting or not) timed so far
+        self._untimed_s = 0.0             # seconds of the AR rounds since one was last timed (AR_TIMING_S)
 
     @classmethod
     def for_method(cls, target: TargetModel, draft: AnyDraft | None, method: str,
@@ -331,17 +337,23 @@ class RoundPolicy:
         rounds are isolated, at temperature 1, each pays it: left out, DSpark's rounds were
         priced about a third below what they took and the gate drafted where it lost).
         A table that rounds show to be off by more than a margin is rescaled and written
-        back to the cache (`CostDrift`)."""
+        back to the cache (`CostDrift`). In an AR stretch only some rounds are timed
+        (AR_TIMING_S); the drift check still counts all of their seconds."""
         if self.gate is not None and self.gate_feedback:
             # The first round of each kind (AR, drafting) a policy times runs cold: the
             # draft's first forward in a process, a call's fresh caches. Learned, it would
             # price drafting out for many rounds (and, remembered, for later calls).
             kind = outcome.drafting_rows > 0
             cold = kind not in self._timed
+            span = seconds + self._untimed_s   # the wall time since the last timed round
+            if not (kind or cold or span >= AR_TIMING_S or self.gate.times_every_ar_round()):
+                self._untimed_s = span
+                return
+            self._untimed_s = 0.0
             self._timed.add(kind)
             ratio = self.gate.observe(rows, outcome.drafting_rows, outcome.block, sum(outcome.verified), seconds,
                                       cold=cold)
-            factor = None if cold else self.drift.observe(ratio, seconds)
+            factor = None if cold else self.drift.observe(ratio, span)
             if factor is not None:
                 log.warning("blockspec: live rounds take %.2fx the cost table's times; rescaling the table "
                             "(and its cached copy)", factor)
