@@ -15,6 +15,8 @@ row drafts and verifies the full window: `--no-adapt`).
 from __future__ import annotations
 
 import logging
+import math
+import random
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -153,10 +155,12 @@ def is_tree(draft: AnyDraft | None) -> bool:
 EARLY_STOP_ROWS = 8
 # AR rounds the gate measures before its first decision (with round times fed back).
 WARM_AR_ROUNDS = 3
-# Past its warm-up, an AR round's time is learned once AR rounds of at least this many
-# seconds ran since the last one learned: the machine's pace moves over seconds, and at
-# batch 1 on a CPU (rounds of 5-8 ms) learning every round's time was about half of an
-# AR round's upkeep in a speculative call (~40 of ~80 us a round, timed in place).
+# Past its warm-up, about one AR round per this many seconds of them is timed: the
+# machine's pace moves over seconds, and at batch 1 on a CPU (rounds of 5-8 ms) timing
+# every round was about half of an AR round's upkeep in a speculative call (~40 of ~80 us
+# a round, timed in place). Which rounds are timed is drawn by count, never by their own
+# length: timing the round that completes 20 ms favours long rounds (a slow round is more
+# likely to cross the mark), and AR was priced dearer than it runs.
 AR_TIMING_S = 0.02
 
 
@@ -193,6 +197,8 @@ class RoundPolicy:
         self.drift = drift_of(table) if table is not None else CostDrift()
         self._timed: set[bool] = set()   # kinds of round (drafting or not) timed so far
         self._untimed_s = 0.0             # seconds of the AR rounds since one was last timed (AR_TIMING_S)
+        self._skip_ar = 0                 # AR rounds to leave untimed before the next timed one
+        self._timing_draw = random.Random(0)
 
     @classmethod
     def for_method(cls, target: TargetModel, draft: AnyDraft | None, method: str,
@@ -345,11 +351,14 @@ class RoundPolicy:
             # price drafting out for many rounds (and, remembered, for later calls).
             kind = outcome.drafting_rows > 0
             cold = kind not in self._timed
-            span = seconds + self._untimed_s   # the wall time since the last timed round
-            if not (kind or cold or span >= AR_TIMING_S or self.gate.times_every_ar_round()):
-                self._untimed_s = span
+            if self._skip_ar and not (kind or cold or self.gate.times_every_ar_round()):
+                self._skip_ar -= 1
+                self._untimed_s += seconds
                 return
-            self._untimed_s = 0.0
+            span, self._untimed_s = seconds + self._untimed_s, 0.0   # the wall time since the last timed round
+            if not kind:   # one in `every` AR rounds on average, whatever their own lengths
+                every = max(1, math.ceil(AR_TIMING_S / max(seconds, 1e-9)))
+                self._skip_ar = self._timing_draw.randrange(2 * every - 1)
             self._timed.add(kind)
             ratio = self.gate.observe(rows, outcome.drafting_rows, outcome.block, sum(outcome.verified), seconds,
                                       cold=cold)

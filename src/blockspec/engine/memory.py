@@ -71,8 +71,8 @@ class KVShapes:
         pending = max(64, 4 * (draft.block_size + 1))
         # A prompt's features wait until its row first drafts (`PendingContext.seed`): a request
         # at a temperature where drafting does not pay then never runs the draft over its prompt
-        # (2-3% of a 16-row engine's time at temperature 1 on a CPU). Prompts up to this long
-        # wait; a longer one enters the draft context at prefill.
+        # (3-6% of a 16-row engine's time at temperature 1 on a CPU, two noisy paired runs).
+        # Prompts up to this long wait; a longer one enters the draft context at prefill.
         prompt = PROMPT_WAIT_POSITIONS
         sliding = sum(draft.layer_window(i) is not None for i in range(draft.num_hidden_layers))
         dtype = draft_dtype or target_dtype
