@@ -223,7 +223,7 @@ def test_an_ar_stretch_times_about_one_round_per_ar_timing_span(fresh, monkeypat
     sampled = timed[warm:]
     assert 0.1 < len(sampled) / len(lengths) < 0.6
     assert sum(x == slow for x in sampled) / len(sampled) == pytest.approx(0.5, abs=0.1)   # unbiased
-    window = sum(lengths[:-1]) + (policy_module.WARM_AR_ROUNDS) * fast
+    window = sum(lengths[:-1]) + policy_module.WARM_AR_ROUNDS * fast
     assert policy.drift.elapsed <= window + fast and policy.drift.elapsed >= window - 20 * slow   # every second
     before = len(timed)
     policy.observe_time(1, drafting, fast)                   # a drafting round: timed (twice: the first is cold)
