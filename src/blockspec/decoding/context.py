@@ -19,6 +19,16 @@ SETTLE_ROUNDS = 8
 
 
 
+def append_to_draft(draft: AnyDraft, cache: KVCache, features: torch.Tensor, counts: torch.Tensor | int,
+                    next_tokens: torch.Tensor | None = None) -> None:
+    """Project features into the draft's context K/V (`append_context`); next_tokens: the
+    token after each position, which only an EAGLE-3 draft's context reads."""
+    if next_tokens is None:
+        draft.append_context(cache, features, counts)
+    else:
+        draft.append_context(cache, features, counts, next_tokens)
+
+
 class DraftContext(Protocol):
     """Where committed tokens' target features become draft context K/V."""
 
@@ -117,11 +127,8 @@ class PendingContext:
                 raise BlockspecError("pending context: a prompt seeds an empty row only")  # invariant
             tokens = None if next_tokens is None else next_tokens[i:i + 1, :n]
             if self.prompt_capacity is not None and n > self.prompt_capacity:
-                cache = self.cache.slice_rows(row, row + 1)
-                if tokens is None:
-                    self.draft.append_context(cache, features[i:i + 1, :n], counts[i:i + 1])
-                else:
-                    self.draft.append_context(cache, features[i:i + 1, :n], counts[i:i + 1], tokens)
+                append_to_draft(self.draft, self.cache.slice_rows(row, row + 1), features[i:i + 1, :n],
+                                counts[i:i + 1], tokens)
                 continue
             self.prompts[row] = (features[i, :n].clone(), None if tokens is None else tokens[0].clone())
 
@@ -140,11 +147,9 @@ class PendingContext:
             counts = torch.tensor([f.shape[0] for f, _ in parts], device=self.cache.lengths.device)
             features = torch.nn.utils.rnn.pad_sequence([f for f, _ in parts], batch_first=True)
             cache = self.cache.slice_rows(row, end)
-            if parts[0][1] is not None:
-                tokens = torch.nn.utils.rnn.pad_sequence([t for _, t in parts if t is not None], batch_first=True)
-                self.draft.append_context(cache, features, counts, tokens)
-            else:
-                self.draft.append_context(cache, features, counts)
+            tokens = (torch.nn.utils.rnn.pad_sequence([t for _, t in parts if t is not None], batch_first=True)
+                      if parts[0][1] is not None else None)
+            append_to_draft(self.draft, cache, features, counts, tokens)
             self.prompts[row:end] = [None] * (end - row)
             row = end
 
@@ -252,10 +257,8 @@ class PendingContext:
             self.cache.lengths[cut.to(self.cache.lengths.device)] = 0
             self._cut[cut] = False
         cache, counts = self.cache.slice_rows(start, rows), self._lengths[start:rows].to(self.cache.lengths.device)
-        if self.tokens is not None:
-            self.draft.append_context(cache, self._buf[start:rows, :n], counts, self.tokens[start:rows, :n])
-        else:
-            self.draft.append_context(cache, self._buf[start:rows, :n], counts)
+        append_to_draft(self.draft, cache, self._buf[start:rows, :n], counts,
+                        None if self.tokens is None else self.tokens[start:rows, :n])
         self._lengths[start:rows] = 0
 
     def clear(self, start: int, stop: int) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.decoding.context import PendingContext
+from blockspec.decoding.context import PendingContext, append_to_draft
 from blockspec.decoding.logprobs import TokenLogprob, prompt_logprobs, row_logprobs
 from blockspec.decoding.sampling import RowSampler, sample
 from blockspec.models.chain_draft import AnyDraft, Eagle3Drafter
@@ -89,10 +89,8 @@ class ContextSink:
         assert self.draft is not None and self.draft_cache is not None
         if self.pending is not None:
             self.pending.seed(self.first_row, features, lengths, after)
-        elif after is not None:
-            self.draft.append_context(self.draft_cache, features, lengths, after)
         else:
-            self.draft.append_context(self.draft_cache, features, lengths)
+            append_to_draft(self.draft, self.draft_cache, features, lengths, after)
 
 
 def _prefill_rows(target: TargetModel, cache: KVCache, prompts: list[list[int]], sampler: RowSampler,
