@@ -71,7 +71,8 @@ class KVShapes:
         pending = max(64, 4 * (draft.block_size + 1))
         # A prompt's features wait until its row first drafts (`PendingContext.seed`): a request
         # at a temperature where drafting does not pay then never runs the draft over its prompt
-        # (3-6% of a 16-row engine's time at temperature 1 on a CPU, two noisy paired runs).
+        # (with drafting off, 16 rows at temperature 1 on a CPU: 0.930x AR appending them at once,
+        # 0.992x with them waiting; benchmarks/engine_ar_overhead.py, noisy).
         # Prompts up to this long wait; a longer one enters the draft context at prefill.
         prompt = PROMPT_WAIT_POSITIONS
         sliding = sum(draft.layer_window(i) is not None for i in range(draft.num_hidden_layers))
