@@ -9,6 +9,7 @@ each run's own (`measure.paired_ratio`; the first run, which includes the learni
 first calls, is left out when there are more than two).
 
     python benchmarks/engine_ar_overhead.py [--method dflash] [--workload t1] [--concurrency 16] [--repeats 5]
+        [--lockstep]   (the engines run together, one step each in turn: `engine_throughput.run_lockstep`)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from blockspec import Tokenizer, embedded, load_target
 from blockspec.bench.datasets import humaneval
 from blockspec.loading import load_drafts
 from blockspec.bench.measure import paired_ratio
-from engine_throughput import WORKLOADS, build, request_params, run_once, speeds
+from engine_throughput import WORKLOADS, build, request_params, run_lockstep, run_once, speeds
 
 KINDS = ("ar", "drafting off", "drafting off, eager prompts", "default")
 
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("--workload", default="t1", choices=WORKLOADS)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--lockstep", action="store_true",
+                    help="the engines take one step each in turn within every run, each timed over its own steps")
     args = ap.parse_args()
     torch.manual_seed(0)
     tdir = embedded.default_target()
@@ -55,6 +58,10 @@ def main() -> None:
     engines["drafting off, eager prompts"].slots.pending.prompt_capacity = 0
     runs: dict[str, list[dict]] = {k: [] for k in KINDS}
     for rep in range(args.repeats):
+        if args.lockstep:
+            for kind, result in run_lockstep(engines, prompts, params, first=rep).items():
+                runs[kind].append(result)
+            continue
         for i in range(len(KINDS)):
             kind = KINDS[(rep + i) % len(KINDS)]
             runs[kind].append(run_once(engines[kind], prompts, params))
@@ -62,6 +69,7 @@ def main() -> None:
     tps = {k: statistics.median(r["tokens_per_s"] for r in runs[k][kept]) for k in KINDS}
     print(f"{args.method}, {args.workload}, concurrency {args.concurrency}, {count} HumanEval prompts, 128 new tokens, "
           f"{torch.get_num_threads()} threads; median of {len(runs['ar'][kept])} interleaved runs "
+          f"{'(in lockstep, one step each in turn) ' if args.lockstep else ''}"
           f"(of {args.repeats}; the first left out when more than two)")
     print("| engine | tok/s | vs AR | drafted request-rounds | per-run tok/s |")
     print("|---|---|---|---|---|")

@@ -4,7 +4,7 @@ next to fixed full windows, for greedy, temperature-1 and mixed workloads, measu
 side by side in one run; plus the process's peak resident memory.
 
     python benchmarks/engine_throughput.py [--concurrency 1,4,16,32] [--workloads greedy,t1]
-        [--mixed-at 16] [--repeats 3] [--methods ar,dflash,dspark[,eagle3,dflash-fixed,dspark-fixed,eagle3-fixed,
+        [--mixed-at 16] [--repeats 3] [--lockstep] [--methods ar,dflash,dspark[,eagle3,dflash-fixed,dspark-fixed,eagle3-fixed,
         eagle3-tree]] [--dflash-draft DIR] [--dspark-draft DIR] [--eagle3-draft DIR] [--eagle3-tree 4,5,12]
 
 eagle3-tree: the EAGLE-3 draft drafting EAGLE-2's tree (topk, num_steps, num_draft_tokens as
@@ -18,8 +18,10 @@ tokens/s = generated tokens / wall time. One engine per arm lives through the ce
 repeats, as a running server would (its policy keeps what it learned; the first
 repeat includes the learning), and the arms run in turn, repeat after repeat (the
 order rotating): each cell is the median, each ratio to AR the median of the repeats'
-ratios (arms of one repeat run back to back, in the same spell of the machine). Beside
-it, tok/s under load: the steps begun with every slot busy or requests waiting (the
+ratios (arms of one repeat run back to back, in the same spell of the machine). With
+--lockstep the arms' engines run each repeat together, one step each in turn, each timed
+over its own steps (`run_lockstep`): the arms meet the machine's drift within milliseconds
+instead of seconds, for ratios of a few percent on a noisy machine. Beside it, tok/s under load: the steps begun with every slot busy or requests waiting (the
 drain at the end, where the last requests finish with slots idle, left out). The
 adaptive arms' cost tables come from the user cache (measured on first use, before any
 timing). Workloads: greedy; t1 (temperature 1, seeded); mixed (every other request
@@ -68,32 +70,67 @@ def build(target, drafts, name: str, conc: int, tree: EagleTree | None = None) -
                   policy=PolicyOptions(adapt=adaptive))
 
 
-def run_once(engine: Engine, prompts, params) -> dict:
-    """One run of the cell's requests: tokens/s over the whole run, and over its steps
-    begun with every slot busy or requests waiting ("loaded", as a server under load runs;
-    the rest is the drain, where the last requests finish with slots idle)."""
-    before = engine.metrics()
-    t0 = time.perf_counter()
-    handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
-    loaded_s, loaded_tokens, last = 0.0, 0, before
-    while True:   # engine.run_until_done(), step by step; one metrics read per step, for every arm
+class Run:
+    """One run of a cell's requests through an engine, a step at a time, timing only its own
+    submits and steps (each step with its metrics read): tokens/s over the whole run, and over
+    its steps begun with every slot busy or requests waiting ("loaded", as a server under load
+    runs; the rest is the drain, where the last requests finish with slots idle)."""
+
+    def __init__(self, engine: Engine, prompts, params) -> None:
+        self.engine = engine
+        self.before = self.last = engine.metrics()
+        t0 = time.perf_counter()
+        self.handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        self.elapsed, self.loaded_s, self.loaded_tokens, self.more = time.perf_counter() - t0, 0.0, 0, True
+
+    def step(self) -> None:
+        """engine.run_until_done(), one step of it; one metrics read per step, for every arm."""
         t_step = time.perf_counter()
-        more = engine.step()
-        now = engine.metrics()
-        if last is before or last["waiting"] or last["running"] >= last["slots"]:   # loaded
-            loaded_s += time.perf_counter() - t_step
-            loaded_tokens += now["generated_tokens"] - last["generated_tokens"]
-        last = now
-        if not more:
-            break
-    elapsed = time.perf_counter() - t0
-    after = last
-    assert after["kv_bytes_in_use"] == 0 and all(h.done for h in handles)
-    tokens = after["generated_tokens"] - before["generated_tokens"]
-    rounds = after["request_rounds"] - before["request_rounds"]
-    drafted = rounds - (after["undrafted_request_rounds"] - before["undrafted_request_rounds"])
-    return {"tokens_per_s": tokens / elapsed, "tau": tokens / max(rounds, 1), "drafted": drafted / max(rounds, 1),
-            "loaded_tokens_per_s": loaded_tokens / max(loaded_s, 1e-9), "drain": 1.0 - loaded_s / elapsed}
+        self.more = self.engine.step()
+        now = self.engine.metrics()
+        spent = time.perf_counter() - t_step
+        last = self.last
+        if last is self.before or last["waiting"] or last["running"] >= last["slots"]:   # loaded
+            self.loaded_s += spent
+            self.loaded_tokens += now["generated_tokens"] - last["generated_tokens"]
+        self.elapsed += spent
+        self.last = now
+
+    def result(self) -> dict:
+        before, after = self.before, self.last
+        assert after["kv_bytes_in_use"] == 0 and all(h.done for h in self.handles)
+        tokens = after["generated_tokens"] - before["generated_tokens"]
+        rounds = after["request_rounds"] - before["request_rounds"]
+        drafted = rounds - (after["undrafted_request_rounds"] - before["undrafted_request_rounds"])
+        return {"tokens_per_s": tokens / self.elapsed, "tau": tokens / max(rounds, 1), "drafted": drafted / max(rounds, 1),
+                "loaded_tokens_per_s": self.loaded_tokens / max(self.loaded_s, 1e-9),
+                "drain": 1.0 - self.loaded_s / self.elapsed}
+
+
+def run_once(engine: Engine, prompts, params) -> dict:
+    """One run of the cell's requests through `engine` alone (`Run`)."""
+    run = Run(engine, prompts, params)
+    while run.more:
+        run.step()
+    return run.result()
+
+
+def run_lockstep(engines: dict[str, Engine], prompts, params, first: int = 0) -> dict[str, dict]:
+    """One run of the cell's requests through every engine at once, the engines taking one
+    step each in turn (the order rotating from step to step, starting at `first`), each timed
+    over its own steps only (`Run`): every arm meets the machine's drift within the same few
+    milliseconds, where a whole run of each in turn (`run_once`) spans seconds (AR's round
+    time on a shared 2-core VM moved by 30% from one run to the next)."""
+    names = list(engines)
+    runs = {name: Run(engines[name], prompts, params) for name in names}
+    turn = first
+    while any(run.more for run in runs.values()):
+        for k in range(len(names)):
+            run = runs[names[(turn + k) % len(names)]]
+            if run.more:
+                run.step()
+        turn += 1
+    return {name: run.result() for name, run in runs.items()}
 
 
 def speeds(runs: list[dict], ar_runs: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -110,6 +147,8 @@ def main() -> None:
     ap.add_argument("--methods", default="ar,dflash,dspark", help=f"comma list of {','.join(ARMS)} including ar")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved runs per cell (median)")
     ap.add_argument("--waves", type=int, default=4, help="requests per cell = max(8, waves x concurrency)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="the arms' engines take one step each in turn within every repeat, each timed over its own steps")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--eagle3-tree", default="4,5,12",
                     help="the eagle3-tree arm's topk,num_steps,num_draft_tokens (default: generate's fastest tree)")
@@ -140,6 +179,10 @@ def main() -> None:
         engines = {name: build(target, drafts, name, conc, tree) for name in names}   # tables measured here, untimed
         runs: dict[str, list[dict]] = {name: [] for name in names}
         for repeat in range(args.repeats):  # side by side for this cell, interleaved; the order rotates
+            if args.lockstep:
+                for name, result in run_lockstep(engines, prompts, params, first=repeat).items():
+                    runs[name].append(result)
+                continue
             for k in range(len(names)):
                 name = names[(repeat + k) % len(names)]
                 runs[name].append(run_once(engines[name], prompts, params))
@@ -166,7 +209,10 @@ def main() -> None:
           "DFlash / DSpark / EAGLE-3 = the default adaptive policy (draft gate per temperature band, DSpark "
           f"scheduled), fixed = every round drafts and verifies the full window; EAGLE-3 tree = topk "
           f"{tree.topk}, {tree.num_steps} levels, {tree.num_draft_tokens} tokens verified, fixed policy")
-    print(f"median of {args.repeats} interleaved run(s) per cell (the arms' order rotating from repeat to repeat); "
+    interleaving = ("the arms' engines in lockstep, one step each in turn (the order rotating from step to step), "
+                    "each timed over its own steps" if args.lockstep
+                    else "the arms' order rotating from repeat to repeat")
+    print(f"median of {args.repeats} interleaved run(s) per cell ({interleaving}); "
           "X / AR (X / fixed): the median over repeats of X's tok/s over AR's (its fixed window's) in the same repeat; "
           f"max(8, {args.waves} x concurrency) requests per "
           "cell; one engine per arm for the cell's repeats (the first repeat includes the policy's learning)")
