@@ -10,7 +10,7 @@ from blockspec.decoding import exploration
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.exploration import (EXPLORE_BUDGET, EXPLORE_CREDIT, EXPLORE_FLOOR, GREEDY_MAX_BACKOFF,
                                             MAX_BACKOFF)
-from blockspec.decoding.gate import PROBE_EVERY, RECHOOSE_ROUNDS, REPRICE_SHIFT, DraftGate, GateTuning, band_groups
+from blockspec.decoding.gate import PROBE_EVERY, PROBE_STALE, RECHOOSE_ROUNDS, REPRICE_SHIFT, DraftGate, GateTuning, band_groups
 from blockspec.decoding.round_costs import KEY_SAMPLES, PACE_ROUNDS, RATIO_SAMPLES
 from blockspec.errors import BlockspecError
 
@@ -216,14 +216,15 @@ def test_ar_probes_reprice_ar_while_rows_draft_every_round():
     """AR rounds timed in a slow spell priced AR above what it costs once the machine is quiet,
     and rows that draft every round never time AR again: where drafting wins by less than
     PROBE_MARGIN, one round in PROBE_EVERY is an AR probe, counted for the rounds it stands
-    for, and the gate goes back to AR once it is cheaper; where drafting wins clearly, no probe."""
+    for, and the gate goes back to AR once it is cheaper; where drafting wins clearly, a probe
+    only once in PROBE_STALE rounds."""
     table = CostTable([1, 4], [1.0, 1.0], draft_rows=[1], draft_times_s=[1.0])   # AR 1 s; drafting 2 s
     tuning = GateTuning(explore_every=1000, prior_rounds=0.0, hysteresis=0.0)
 
-    def run(curve: list[float], rounds: int) -> list[int]:
+    def run(curve: list[float], rounds: int, slow_ar_s: float = 1.3) -> list[int]:
         gate = DraftGate(table, window=3, full_window=True, tuning=tuning)
         for _ in range(RATIO_SAMPLES):
-            gate.observe(1, 0, 0, 0, seconds=1.3)          # AR timed in a slow spell
+            gate.observe(1, 0, 0, 0, seconds=slow_ar_s)    # AR timed in a slow spell
         for _ in range(2 * KEY_SAMPLES):
             gate.observe(1, 1, 3, 3, seconds=2.0)          # drafting timed in a quiet one
         gate.update(torch.tensor([curve]))
@@ -241,8 +242,14 @@ def test_ar_probes_reprice_ar_while_rows_draft_every_round():
     close = run([0.5, 0.2, 0.1], 20 * PROBE_EVERY)        # 1.8 tokens in 2 s: 0.9 tok/s vs AR's 1.0
     assert close[0] == 1 and close[PROBE_EVERY - 1] == 0   # priced at 1.3 s, AR lost; then a probe
     assert sum(close[-4 * PROBE_EVERY:]) == 0               # AR, priced as it runs now
-    clear = run([1.0, 1.0, 1.0], 20 * PROBE_EVERY)        # 4 tokens in 2 s: drafting wins 2x
-    assert all(clear)
+    clear = run([1.0, 1.0, 1.0], 4 * PROBE_STALE)         # 4 tokens in 2 s: drafting wins 2x
+    assert clear.count(0) == 4 and all(clear[:PROBE_STALE - 1])   # one probe per PROBE_STALE rounds
+    # AR priced at 2.5x what it costs (the pace misread when drafting took over): drafting, at
+    # 0.9 tok/s against AR's real 1.0, looks 2.25x ahead, past PROBE_MARGIN; without the
+    # stale probes it drafted for good.
+    stuck = run([0.5, 0.2, 0.1], 8 * PROBE_STALE, slow_ar_s=2.5)
+    assert all(stuck[:PROBE_STALE - 1]) and stuck[PROBE_STALE - 1] == 0
+    assert sum(stuck[-2 * PROBE_STALE:]) == 0
 
 
 def test_a_slow_spell_of_the_machine_does_not_make_drafting_look_cheap():
