@@ -4,8 +4,9 @@ next to fixed full windows, for greedy, temperature-1 and mixed workloads, measu
 side by side in one run; plus the process's peak resident memory.
 
     python benchmarks/engine_throughput.py [--concurrency 1,4,16,32] [--workloads greedy,t1]
-        [--mixed-at 16] [--repeats 3] [--lockstep] [--methods ar,dflash,dspark[,eagle3,dflash-fixed,dspark-fixed,eagle3-fixed,
-        eagle3-tree]] [--dflash-draft DIR] [--dspark-draft DIR] [--eagle3-draft DIR] [--eagle3-tree 4,5,12]
+        [--mixed-at 16] [--repeats 3] [--lockstep]
+        [--methods ar,dflash,dspark[,eagle3,dflash-fixed,dspark-fixed,eagle3-fixed,eagle3-tree]]
+        [--dflash-draft DIR] [--dspark-draft DIR] [--eagle3-draft DIR] [--eagle3-tree 4,5,12]
 
 eagle3-tree: the EAGLE-3 draft drafting EAGLE-2's tree (topk, num_steps, num_draft_tokens as
 SGLang spells them) with the fixed policy, as `serve --no-adapt --speculative-eagle-topk ...` runs it.
@@ -21,11 +22,12 @@ order rotating): each cell is the median, each ratio to AR the median of the rep
 ratios (arms of one repeat run back to back, in the same spell of the machine). With
 --lockstep the arms' engines run each repeat together, one step each in turn, each timed
 over its own steps (`run_lockstep`): the arms meet the machine's drift within milliseconds
-instead of seconds, for ratios of a few percent on a noisy machine. Beside it, tok/s under load: the steps begun with every slot busy or requests waiting (the
-drain at the end, where the last requests finish with slots idle, left out). The
-adaptive arms' cost tables come from the user cache (measured on first use, before any
-timing). Workloads: greedy; t1 (temperature 1, seeded); mixed (every other request
-greedy, the others temperature 1).
+instead of seconds, for ratios of a few percent on a noisy machine. Beside it, tok/s
+under load: the steps begun with every slot busy or requests waiting (the drain at the
+end, where the last requests finish with slots idle, left out). The adaptive arms' cost
+tables come from the user cache (measured on first use, before any timing). Workloads:
+greedy; t1 (temperature 1, seeded); mixed (every other request greedy, the others
+temperature 1).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from blockspec.decoding import exploration
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.exploration import (EXPLORE_BUDGET, EXPLORE_CREDIT, EXPLORE_FLOOR, GREEDY_MAX_BACKOFF,
                                             MAX_BACKOFF)
-from blockspec.decoding.gate import PROBE_EVERY, PROBE_STALE, RECHOOSE_ROUNDS, REPRICE_SHIFT, DraftGate, GateTuning, band_groups
+from blockspec.decoding.gate import (PROBE_EVERY, PROBE_STALE, RECHOOSE_ROUNDS, REPRICE_SHIFT, DraftGate, GateTuning,
+                                    band_groups)
 from blockspec.decoding.round_costs import KEY_SAMPLES, PACE_ROUNDS, RATIO_SAMPLES
 from blockspec.errors import BlockspecError
 
