@@ -23,7 +23,7 @@ from blockspec import Tokenizer, embedded, load_target
 from blockspec.bench.datasets import humaneval
 from blockspec.loading import load_drafts
 from blockspec.bench.measure import paired_ratio
-from engine_throughput import WORKLOADS, build, request_params, run_lockstep, run_once, speeds
+from engine_throughput import WORKLOADS, build, request_params, run_repeat, speeds
 
 KINDS = ("ar", "drafting off", "drafting off, eager prompts", "default")
 
@@ -58,13 +58,8 @@ def main() -> None:
     engines["drafting off, eager prompts"].slots.pending.prompt_capacity = 0
     runs: dict[str, list[dict]] = {k: [] for k in KINDS}
     for rep in range(args.repeats):
-        if args.lockstep:
-            for kind, result in run_lockstep(engines, prompts, params, first=rep).items():
-                runs[kind].append(result)
-            continue
-        for i in range(len(KINDS)):
-            kind = KINDS[(rep + i) % len(KINDS)]
-            runs[kind].append(run_once(engines[kind], prompts, params))
+        for kind, result in run_repeat(engines, prompts, params, rep, args.lockstep).items():
+            runs[kind].append(result)
     kept = slice(1, None) if args.repeats > 2 else slice(None)
     tps = {k: statistics.median(r["tokens_per_s"] for r in runs[k][kept]) for k in KINDS}
     print(f"{args.method}, {args.workload}, concurrency {args.concurrency}, {count} HumanEval prompts, 128 new tokens, "

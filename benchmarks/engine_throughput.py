@@ -135,6 +135,16 @@ def run_lockstep(engines: dict[str, Engine], prompts, params, first: int = 0) ->
     return {name: run.result() for name, run in runs.items()}
 
 
+def run_repeat(engines: dict[str, Engine], prompts, params, repeat: int, lockstep: bool) -> dict[str, dict]:
+    """One repeat of a cell for every arm: in lockstep (`run_lockstep`), or each arm's whole run
+    in turn (`run_once`); either way the order rotates with `repeat`."""
+    if lockstep:
+        return run_lockstep(engines, prompts, params, first=repeat)
+    names = list(engines)
+    order = [names[(repeat + k) % len(names)] for k in range(len(names))]
+    return {name: run_once(engines[name], prompts, params) for name in order}
+
+
 def speeds(runs: list[dict], ar_runs: list[dict], key: str) -> tuple[list[float], list[float]]:
     """An arm's and AR's speeds (`key`) repeat by repeat, for `measure.paired_ratio`."""
     return [x[key] for x in runs], [a[key] for a in ar_runs]
@@ -181,13 +191,8 @@ def main() -> None:
         engines = {name: build(target, drafts, name, conc, tree) for name in names}   # tables measured here, untimed
         runs: dict[str, list[dict]] = {name: [] for name in names}
         for repeat in range(args.repeats):  # side by side for this cell, interleaved; the order rotates
-            if args.lockstep:
-                for name, result in run_lockstep(engines, prompts, params, first=repeat).items():
-                    runs[name].append(result)
-                continue
-            for k in range(len(names)):
-                name = names[(repeat + k) % len(names)]
-                runs[name].append(run_once(engines[name], prompts, params))
+            for name, result in run_repeat(engines, prompts, params, repeat, args.lockstep).items():
+                runs[name].append(result)
         del engines
         cell = {}
         for name, r in runs.items():
