@@ -318,6 +318,49 @@ def test_exploring_spends_a_budget_scaled_by_what_it_could_win():
     assert [i for i in range(200) if batch_one.decide(1)[0]] == [7, 23, 55, 87, 119, 151, 183]   # waits 8, 16, 32...
 
 
+def test_a_loop_of_calls_explores_as_one_long_call():
+    """Each `generate` call builds its gate afresh from the last call's state; the credit
+    and the jitter draws are part of it. A call that started with full credit explored
+    whatever the last one spent, so in a loop of calls (HumanEval at temperature 1, one call
+    per prompt) the budget never bound (here 13 explorations in 400 rounds against 9), and
+    each call's first jitter draw was the same (every wait 315 rounds)."""
+    table = CostTable([1, 16, 64], [1.0, 1.0, 1.5], draft_rows=[1, 16], draft_times_s=[0.2, 0.5])
+
+    def explored(calls: int, rounds: int) -> list[int]:
+        gate = DraftGate(table, window=3, full_window=True)
+        gate.update(torch.zeros(4, 3))
+        out = []
+        for call in range(calls):
+            state = gate.state()
+            gate = DraftGate(table, window=3, full_window=True)
+            gate.load_state(state)
+            for i in range(rounds):
+                k, _ = gate.decide(16)
+                if k:                                      # explorations that win nothing
+                    out.append(call * rounds + i)
+                    gate.update(torch.zeros(k, 3))
+        return out
+
+    one_call = explored(1, 400)
+    assert explored(40, 10) == explored(4, 100) == one_call and 5 <= len(one_call) <= 12
+
+
+def test_a_state_taken_right_after_a_rescale_keeps_the_prices():
+    """The drift check can rescale the table in a call's last round, before any decision
+    follows it: the state must hold ratios relative to the rescaled table, whose signature
+    it is kept with, or the next call prices every kind off by the rescale."""
+    table = CostTable([1, 16], [1.0, 2.0], draft_rows=[1], draft_times_s=[1.0])
+    gate = DraftGate(table, window=3, full_window=True)
+    for _ in range(8):
+        gate.observe(1, 0, 0, 0, seconds=1.5)
+        gate.observe(1, 1, 3, 3, seconds=4.0)
+    before = (gate.cost_ratio(False, 1), gate.cost_ratio(True, 1, 3))
+    table.rescale(2.0)
+    again = DraftGate(table, window=3, full_window=True)
+    again.load_state(gate.state())
+    assert (again.cost_ratio(False, 1), again.cost_ratio(True, 1, 3)) == pytest.approx((before[0] / 2, before[1] / 2))
+
+
 def test_a_band_accepting_most_of_a_short_block_still_explores_its_window():
     """The best case takes each slot's survival from the band's curve where it is above
     half: a band drafting 11 slots at batch 1 whose rows accept most of them (DSpark's

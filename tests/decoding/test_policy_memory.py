@@ -139,6 +139,14 @@ def test_a_policy_state_round_trips_and_bad_states_are_refused(pair):
     bad["calibrations"]["0"]["accepted"] = bad["calibrations"]["0"]["accepted"][:-1]
     with pytest.raises(BlockspecError, match="calibration 0 accepted"):
         check_state(bad, draft.config.num_drafts)
+    for field, value, message in (("credit", "1", "credit"), ("draws", -1, "draws")):
+        bad = json.loads(json.dumps(state))
+        bad["gate"]["exploration"][field] = value
+        with pytest.raises(BlockspecError, match=message):
+            check_state(bad, draft.config.num_drafts)
+    older = json.loads(json.dumps(state))
+    del older["gate"]["exploration"]                       # saved before the credit was kept
+    check_state(older, draft.config.num_drafts)
     with pytest.raises(BlockspecError, match="memory"):
         PolicyOptions(memory="forever")
 

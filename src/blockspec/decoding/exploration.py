@@ -73,21 +73,27 @@ class ExplorationSchedule:
     window for the greedy band, as far as the curve reaches for a sampled one) again after
     `every` rounds, each fruitless exploration doubling its interval up to MAX_BACKOFF x
     (GREEDY_MAX_BACKOFF x for the greedy band), so a load where drafting never pays spends
-    little on it; each wait is jittered (a generator of its own). A band whose rows accepted
+    little on it; each wait is jittered (the draw numbered by the schedule's explorations,
+    so a loop of calls, each starting from the last one's state, does not repeat the first
+    draw of a seeded generator: every wait was the same 315 of 256-512 rounds). A band whose rows accepted
     a whole block is due at once: acceptance changes within a request (greedy text turning
     repetitive after a novel start), and a backed-off interval of 128 rounds is a whole
     request. Explorations spend credit (EXPLORE_BUDGET per round, up to EXPLORE_CREDIT) by
     their cost over what they could win at most divided by the band's `level`.
 
     State per band: rounds since it last measured its exploration block (`skipped`), its
-    current interval (`interval`), bands due at once (`due`)."""
+    current interval (`interval`), bands due at once (`due`); in all: the credit left and
+    the jitter draws made (`draws`). The credit and the draws are kept across calls with the
+    bands' state (`state` / `load`): a call that started with full credit let an exploration
+    run whatever the last one cost, so a loop of short calls never met the budget."""
 
     def __init__(self, every: int, *, jitter: bool = True, seed: int = 0) -> None:
-        self.every, self.jitter, self._rng = every, jitter, random.Random(seed)
+        self.every, self.jitter, self.seed = every, jitter, seed
         self.skipped: dict[int, int] = {}
         self.interval: dict[int, int] = {}
         self.due: set[int] = set()
         self.credit = EXPLORE_CREDIT
+        self.draws = 0
 
     def measured(self, band: int) -> None:
         """The band drafts at least its exploration block this round: nothing to explore."""
@@ -108,7 +114,7 @@ class ExplorationSchedule:
         if band not in self.due:
             cap = GREEDY_MAX_BACKOFF if band == GREEDY_BAND else MAX_BACKOFF
             interval = self.interval[band] = min(2 * interval, cap * self.every)
-        self.skipped[band] = self._rng.randrange(interval // 2 + 1) if self.jitter else 0
+        self.skipped[band] = self._jitter(interval // 2 + 1) if self.jitter else 0
         self.due.discard(band)
         self.credit -= cost
 
@@ -123,8 +129,20 @@ class ExplorationSchedule:
         """A round passed."""
         self.credit = min(EXPLORE_CREDIT, self.credit + EXPLORE_BUDGET)
 
+    def _jitter(self, n: int) -> int:
+        """The next jitter draw, in [0, n): the `draws`-th of this seed's sequence."""
+        self.draws += 1
+        return random.Random(f"{self.seed}:{self.draws}").randrange(n)
+
     def state(self, band: int) -> dict[str, int]:
         return {"skipped": self.skipped.get(band, 0), "interval": self.interval.get(band, self.every)}
 
     def load(self, band: int, state: dict[str, Any]) -> None:
         self.skipped[band], self.interval[band] = int(state["skipped"]), int(state["interval"])
+
+    def shared_state(self) -> dict[str, float]:
+        """What is not per band: the credit left and the jitter draws made."""
+        return {"credit": self.credit, "draws": self.draws}
+
+    def load_shared(self, state: dict[str, Any]) -> None:
+        self.credit, self.draws = min(EXPLORE_CREDIT, float(state["credit"])), int(state["draws"])

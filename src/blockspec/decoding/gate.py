@@ -411,11 +411,14 @@ class DraftGate:
 
     # -- what it learned, kept across calls (decoding/policy_memory.py) ---------------
     def state(self, with_costs: bool = True) -> dict[str, Any]:
-        """Plain JSON-able state: each band's survival sums and exploration schedule, and
-        (with_costs) the measured / predicted round-time samples."""
+        """Plain JSON-able state: each band's survival sums and exploration schedule, the
+        exploration credit, and (with_costs) the measured / predicted round-time samples,
+        relative to the table as it is now (a rescale in the call's last round is followed
+        first: the state is kept with the rescaled table's signature)."""
+        self.follow_table()
         bands = {str(b): {**self.survival.state(b), **self.exploration.state(b)} for b in self.survival.means}
         ratios = self.costs.state() if with_costs else []
-        return {"bands": bands, "ratios": ratios}
+        return {"bands": bands, "ratios": ratios, "exploration": self.exploration.shared_state()}
 
     def load_state(self, state: dict[str, Any], with_costs: bool = True) -> None:
         """Take what `state` learned (a checked `state()`; with_costs: its round-time samples too)."""
@@ -424,5 +427,7 @@ class DraftGate:
             self.survival.load(int(name), band)
             self._explore.pop(int(name), None)
             self.exploration.load(int(name), band)
+        if "exploration" in state:   # absent from states saved before it was kept
+            self.exploration.load_shared(state["exploration"])
         if with_costs:
             self.costs.load(state["ratios"])

@@ -175,6 +175,14 @@ def check_state(state: Any, window: int) -> None:
                 value = band.get(field)
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     fail(f"band {name} {field} must be an integer >= 0")
+        explored = gate.get("exploration", {"credit": 0.0, "draws": 0})
+        if not isinstance(explored, dict):
+            fail("'exploration' must be an object")
+        credit, draws = explored.get("credit"), explored.get("draws")
+        if isinstance(credit, bool) or not isinstance(credit, (int, float)) or not math.isfinite(credit):
+            fail(f"exploration credit holds {credit!r}, not a finite number")
+        if isinstance(draws, bool) or not isinstance(draws, int) or draws < 0:
+            fail("exploration draws must be an integer >= 0")
         ratios = gate.get("ratios")
         if not isinstance(ratios, list):
             fail("'ratios' must be a list")
