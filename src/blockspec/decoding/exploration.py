@@ -73,19 +73,18 @@ class ExplorationSchedule:
     window for the greedy band, as far as the curve reaches for a sampled one) again after
     `every` rounds, each fruitless exploration doubling its interval up to MAX_BACKOFF x
     (GREEDY_MAX_BACKOFF x for the greedy band), so a load where drafting never pays spends
-    little on it; each wait is jittered (the draw numbered by the schedule's explorations,
-    so a loop of calls, each starting from the last one's state, does not repeat the first
-    draw of a seeded generator: every wait was the same 315 of 256-512 rounds). A band whose rows accepted
-    a whole block is due at once: acceptance changes within a request (greedy text turning
-    repetitive after a novel start), and a backed-off interval of 128 rounds is a whole
-    request. Explorations spend credit (EXPLORE_BUDGET per round, up to EXPLORE_CREDIT) by
+    little on it; each wait is jittered (the draw numbered by the schedule's explorations:
+    a generator seeded anew by each call of a loop made every wait its first draw). A band
+    whose rows accepted a whole block is due at once: acceptance changes within a request
+    (greedy text turning repetitive after a novel start), and a backed-off interval of 128
+    rounds is a whole request. Explorations spend credit (EXPLORE_BUDGET per round, up to EXPLORE_CREDIT) by
     their cost over what they could win at most divided by the band's `level`.
 
     State per band: rounds since it last measured its exploration block (`skipped`), its
     current interval (`interval`), bands due at once (`due`); in all: the credit left and
-    the jitter draws made (`draws`). The credit and the draws are kept across calls with the
-    bands' state (`state` / `load`): a call that started with full credit let an exploration
-    run whatever the last one cost, so a loop of short calls never met the budget."""
+    the jitter draws made (`draws`), kept across calls too (`shared_state` / `load_shared`):
+    a call that started with full credit let an exploration run whatever the last one cost,
+    so a loop of short calls never met the budget."""
 
     def __init__(self, every: int, *, jitter: bool = True, seed: int = 0) -> None:
         self.every, self.jitter, self.seed = every, jitter, seed
