@@ -228,7 +228,7 @@ def test_an_ar_stretch_times_about_one_round_per_ar_timing_span(fresh, monkeypat
     before = len(timed)
     policy.observe_time(1, drafting, fast)                   # a drafting round: timed (twice: the first is cold)
     policy.observe_time(1, drafting, fast)
-    policy.gate._probing = True                              # an AR probe among drafting rounds: timed
+    policy.gate.probes.probing = True                        # an AR probe among drafting rounds: timed
     policy.observe_time(1, ar, fast)
     assert len(timed) == before + 3
 

@@ -10,7 +10,7 @@ tokens per second.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,35 @@ def band_groups(bands: Sequence[int]) -> Groups:
     return tuple((b, n) for b, n in out)
 
 
+class ArProbes:
+    """AR probes while rows draft (PROBE_EVERY, PROBE_MARGIN, PROBE_STALE): the drafting
+    rounds counted per batch make-up since its last AR round, and whether the round decided
+    last is a probe (its time is weighed as the PROBE_EVERY rounds it stands for)."""
+
+    def __init__(self) -> None:
+        self.drafted: dict[Groups, int] = {}   # drafting rounds since the last AR round
+        self.probing = False
+
+    def due(self, groups: Groups, drafting: bool, wins_by_margin: Callable[[], bool]) -> bool:
+        """Whether this round is an AR probe instead of the chosen option (`drafting`: it drafts);
+        wins_by_margin (asked only when needed): drafting beats AR by more than PROBE_MARGIN."""
+        self.probing = False
+        if not drafting:
+            self.drafted[groups] = 0
+            return False
+        drafted = self.drafted[groups] = self.drafted.get(groups, 0) + 1
+        if drafted % PROBE_EVERY or (drafted < PROBE_STALE and wins_by_margin()):
+            return False
+        self.drafted[groups] = 0
+        self.probing = True
+        return True
+
+    def take(self, drafting_rows: int) -> bool:
+        """Whether the round just finished is the probe decided last (an AR round); clears it."""
+        probe, self.probing = self.probing and drafting_rows == 0, False
+        return probe
+
+
 @dataclass(frozen=True, kw_only=True)
 class GateTuning:
     """The draft gate's learning and exploration constants (`DraftGate`'s docstring):
@@ -115,38 +144,30 @@ class DraftGate:
     """Which running requests draft this round (all, none, the first bands, or a few to
     explore), and how long a block they draft (docs/design.md section 5.4).
 
-    Options: a plain AR round (every request verifies its anchor only) or "the first
-    b bands draft a block of s slots", for every block length the table has draft
-    times for (`CostTable.draft_slot_counts`; a shorter block costs less to draft
-    and keeps the likeliest slots). Each is priced by `admit` (the planner's rule)
-    with every drafting row showing its band's survival curve, counting the draft
-    time, and the best expected tokens per second wins.
+    Options: a plain AR round (every request verifies its anchor only) or "the first b bands
+    draft a block of s slots", for every block length the table has draft times for
+    (`CostTable.draft_slot_counts`; a shorter block costs less and keeps the likeliest
+    slots), each priced by `admit` (the planner's rule) with every drafting row showing its
+    band's survival curve, draft time counted; the best expected tokens per second wins.
+    Hysteresis: the option chosen last keeps winning unless another is `hysteresis` faster,
+    so equal loads do not flap between AR and drafting.
 
-    Acceptance is learned per temperature band (`survival.SurvivalCurves`: a decayed
-    mean of about 80 request-rounds next to a prior): greedy rows accept far more than
-    sampled ones, and a mixed batch must not average them. Exploration
-    (`exploration.ExplorationSchedule`): an unmeasured band drafts first (its first
-    `explore_rows` rows, the full block; the bands before it draft too, drafting rows
-    being a prefix); a band that does not draft, or drafts a shorter block, now and then
-    drafts its exploration block (`explore_block`), paying credit by its cost over what
+    Acceptance is learned per temperature band (`survival.SurvivalCurves`), since greedy rows
+    accept far more than sampled ones. Exploration (`exploration.ExplorationSchedule`): an
+    unmeasured band drafts first (its first `explore_rows` rows, the full block, the bands
+    before it drafting too); a band that does not draft, or drafts a shorter block, now and
+    then drafts its exploration block (`explore_block`), paying credit by its cost over what
     it could win at most (`exploration_cost`); none runs where it could not win.
-    Hysteresis: the option chosen last keeps winning unless another is expected to
-    be `hysteresis` faster, so equal loads do not flap between AR and drafting.
 
-    The table prices forward passes only, profiled apart from the decoding loop;
-    `observe` feeds back each finished round's wall time (bookkeeping, sampling and
-    context upkeep included) and each option's price is scaled by what its kind of
-    round (AR by rows; drafting by drafting rows and block length) measured against
-    the table, relative to the machine's pace (`round_costs.RoundCosts`).
-    warm_ar_rounds (with times fed back): AR rounds run before the first decision,
-    so AR is priced by measurement, not by the table alone. Where rows draft every
-    round, AR is timed again now and then by a probe (PROBE_EVERY where they win by
-    little, PROBE_STALE however much).
+    The table prices forward passes only; `observe` feeds back each round's wall time, and
+    each option's price is scaled by what its kind of round measured against the table,
+    relative to the machine's pace (`round_costs.RoundCosts`). warm_ar_rounds: AR rounds run
+    before the first decision, so AR is priced by measurement; while rows draft every round,
+    AR is timed again now and then by a probe (`ArProbes`).
 
-    Decisions use only past rounds, never the current round's draws, and undrafted
-    rows are lossless AR steps, so the output distribution is unchanged.
-    full_window: the drafting rows verify every draft of their block (DFlash,
-    DSpark unscheduled) instead of the planned lengths."""
+    Decisions use only past rounds, never the current round's draws, and undrafted rows are
+    lossless AR steps, so the output distribution is unchanged. full_window: the drafting
+    rows verify every draft of their block (DFlash, DSpark unscheduled), not planned lengths."""
 
     def __init__(self, table: CostTable, window: int, *, min_survival: float = 0.0, full_window: bool = False,
                  warm_ar_rounds: int = 0, tuning: GateTuning | None = None) -> None:
@@ -169,8 +190,7 @@ class DraftGate:
         self._last: dict[Groups, tuple[int, int]] = {}   # the option chosen last, per batch make-up
         self._groups: dict[tuple[int, ...], Groups] = {}   # band_groups of the bands seen
         self._age: dict[Groups, int] = {}   # rounds since that choice was priced (RECHOOSE_ROUNDS)
-        self._drafted: dict[Groups, int] = {}   # drafting rounds since the last AR round (probes)
-        self._probing = False   # the round decided last is an AR probe
+        self.probes = ArProbes()
         self.costs = RoundCosts(table.scale)   # measured / predicted round times by kind of round
 
     # -- pricing --------------------------------------------------------------------
@@ -234,7 +254,7 @@ class DraftGate:
         if groups is None:
             if len(self._groups) >= 1024:   # an engine's batch make-ups come and go
                 self._groups.clear()
-                self._drafted.clear()
+                self.probes.drafted.clear()
             groups = self._groups[bands] = band_groups(bands)
         start = 0
         for band, n in groups:
@@ -246,7 +266,7 @@ class DraftGate:
         choice = self._choose(groups, rows)
         k, block = choice
         self.exploration.refill()
-        if self._probe(groups, rows, choice):
+        if self.probes.due(groups, k > 0, lambda: self._wins_by_margin(groups, rows, choice)):
             return 0, 0
         start = 0
         for band, n in groups:
@@ -270,23 +290,11 @@ class DraftGate:
             start += n
         return choice
 
-    def _probe(self, groups: Groups, rows: int, choice: tuple[int, int]) -> bool:
-        """Whether this round is an AR probe instead of `choice` (PROBE_EVERY, PROBE_MARGIN, PROBE_STALE)."""
-        self._probing = False
-        if choice[0] == 0:
-            self._drafted[groups] = 0
-            return False
-        drafted = self._drafted[groups] = self._drafted.get(groups, 0) + 1
-        if drafted % PROBE_EVERY:
-            return False
-        if drafted < PROBE_STALE:
-            options = self.options(groups)
-            chosen = next(o for o in options if (o.rows, o.block) == choice)
-            if self.rate(chosen, rows) >= (1.0 + PROBE_MARGIN) * self.rate(options[0], rows):
-                return False
-        self._drafted[groups] = 0
-        self._probing = True
-        return True
+    def _wins_by_margin(self, groups: Groups, rows: int, choice: tuple[int, int]) -> bool:
+        """Whether `choice` (a drafting option) is priced PROBE_MARGIN faster than AR."""
+        options = self.options(groups)
+        chosen = next(o for o in options if (o.rows, o.block) == choice)
+        return self.rate(chosen, rows) >= (1.0 + PROBE_MARGIN) * self.rate(options[0], rows)
 
     def exploration_cost(self, groups: Groups, choice: tuple[int, int], trial: tuple[int, int],
                          prefix: int, level: int = 1, band: int = GREEDY_BAND) -> float | None:
@@ -348,7 +356,7 @@ class DraftGate:
         predicted = self.table.time(rows + verified_drafts)
         ratio_sample = seconds / max(predicted + (self.table.draft_time(drafting_rows, block=block)
                                                   if drafting_rows else 0.0), 1e-9)
-        probe, self._probing = self._probing and drafting_rows == 0, False
+        probe = self.probes.take(drafting_rows)
         if not cold:
             self.costs.learn(drafting_rows > 0, drafting_rows or rows, block, ratio_sample,
                              weight=PROBE_EVERY if probe else 1)
@@ -357,7 +365,7 @@ class DraftGate:
     def times_every_ar_round(self) -> bool:
         """Whether the next AR round's time is needed: an AR probe's (weighed against the
         drafting rounds around it), or AR rounds' while they warm the prices up."""
-        return self._probing or self.costs.count((False,)) < self.warm_ar_rounds
+        return self.probes.probing or self.costs.count((False,)) < self.warm_ar_rounds
 
     def follow_table(self) -> None:
         """The table was rescaled (by any policy of it: a process's engines and `generate`
