@@ -17,6 +17,8 @@
 # (regeneration temperatures, each with its own seed, interleaved into DATA; issue 35 asks
 # for "0 0.7 1.0"), RUNS (where the drafts and data go) and the step / second budgets:
 #   TARGET=runs/decay/best IDS=1,5,9 TEMPS="0 0.7 1.0" RUNS=runs/pair35 bash recipes/train_drafts.sh dflash dspark
+# DFLASH_INIT / DSPARK_INIT: continue that saved draft (e.g. the last candidate's, for a target
+# continued from the one it was trained for) instead of the warm start from the target's layers.
 # TRAIN_FLAGS go to every run, e.g. "--bf16 --time-budget-s 3600" (bf16 autocast where the CPU
 # has bf16 matrix instructions; the step counts fitted to an hour after timing the first steps).
 # runs/corpus is the stdlib corpus the target was pretrained on (sha256 08fdebec..., in
@@ -59,8 +61,11 @@ elif [ ! -s "$DATA" ]; then   # one file per temperature (seed i: other corpus w
 fi
 COMMON="--target $TARGET --data $DATA --target-layer-ids $IDS --batch-size 4 --lr 1e-3 \
   --eval-examples 16 --eval-new-tokens 64 --seed 0 --threads 1 --resume"   # --resume: a re-run continues a killed one
-BLOCK="--num-layers 2 --init-from-target --num-anchors 48 --eval-every 250"
+BLOCK="--num-layers 2 --num-anchors 48 --eval-every 250"
 EAGLE3="--method eagle3 --num-layers 1 --ttt-steps 7 --draft-vocab-size 2048 --device cpu --max-steps 100000"
+start_of() {   # a draft's initial weights: a saved draft to continue, else the target's last layers
+  if [ -n "$1" ]; then echo "--init-from $1"; else echo "--init-from-target"; fi
+}
 mkdir -p "$RUNS"
 pids=(); runs=()
 train() {   # run name, then its own flags
@@ -71,9 +76,9 @@ train() {   # run name, then its own flags
 }
 for method in ${*:-dflash dspark}; do
   case $method in
-    dflash) train dflash3 --method dflash --block-size 16 --max-steps $DFLASH_STEPS $BLOCK ;;
+    dflash) train dflash3 --method dflash --block-size 16 --max-steps $DFLASH_STEPS $BLOCK $(start_of "${DFLASH_INIT:-}") ;;
     dspark) train dspark3 --method dspark --block-size 15 --max-steps $DSPARK_STEPS --markov-rank 64 \
-              --markov-head-type vanilla $BLOCK ;;
+              --markov-head-type vanilla $BLOCK $(start_of "${DSPARK_INIT:-}") ;;
     eagle3) train eagle3 $EAGLE3 --time-budget-s $EAGLE3_S --eval-every 75 ;;
     eagle3b) train eagle3b $EAGLE3 --init-from "$EAGLE3_INIT" --lr 5e-4 --seed 1 --time-budget-s $EAGLE3B_S \
               --eval-every 100 ;;

@@ -160,6 +160,15 @@ def test_warm_start_refuses_a_differently_shaped_draft(setup):
         warm_start(DraftModel(draft_config_for(cfg, target, mask_token_id=2)), target)
 
 
+def test_a_continued_draft_refuses_a_warm_start_too():
+    """--init-from and --init-from-target both set the initial weights: one would be ignored."""
+    from blockspec.errors import BlockspecError
+
+    with pytest.raises(BlockspecError, match="drop --init-from-target"):
+        TrainConfig(method="dflash", target="t", data="d", init_from="runs/x/draft", init_from_target=True).validate()
+    TrainConfig(method="dflash", target="t", data="d", init_from="runs/x/draft").validate()
+
+
 @pytest.mark.parametrize("method, block", [("dflash", 4), ("dspark", 3)])
 def test_bf16_target_the_gpu_default_trains_an_fp32_draft(setup, tmp_path, method, block):
     """On a GPU the frozen target runs in bf16 by default: its features and final states feed the

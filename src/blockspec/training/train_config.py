@@ -81,6 +81,9 @@ class TrainConfig:
                 raise BlockspecError(f"train: {name} must be > 0")
         if self.method == "dflash" and self.block_size < 2:
             raise BlockspecError("train: a z-lab DFlash block needs block_size >= 2 (it includes the anchor)")
+        if self.init_from and self.init_from_target:   # both would start the weights: one would be ignored
+            raise BlockspecError("train: --init-from continues a saved draft; drop --init-from-target "
+                                 "(or pass --no-init-from-target)")
         if self.method == "eagle3":
             if self.num_layers != 1:
                 raise BlockspecError("train: an EAGLE-3 draft has one decoder layer (--num-layers 1)")
