@@ -10,8 +10,8 @@ from blockspec.decoding import exploration
 from blockspec.decoding.cost_table import CostTable
 from blockspec.decoding.exploration import (EXPLORE_BUDGET, EXPLORE_CREDIT, EXPLORE_FLOOR, GREEDY_MAX_BACKOFF,
                                             MAX_BACKOFF)
-from blockspec.decoding.gate import (PROBE_EVERY, PROBE_STALE, RECHOOSE_ROUNDS, REPRICE_SHIFT, DraftGate, GateTuning,
-                                    band_groups)
+from blockspec.decoding.gate import (PROBE_EVERY, PROBE_STALE, RECHOOSE_ROUNDS, REPRICE_SHIFT, ArProbes, DraftGate,
+                                    GateTuning, band_groups)
 from blockspec.decoding.round_costs import KEY_SAMPLES, PACE_ROUNDS, RATIO_SAMPLES
 from blockspec.errors import BlockspecError
 
@@ -251,6 +251,22 @@ def test_ar_probes_reprice_ar_while_rows_draft_every_round():
     stuck = run([0.5, 0.2, 0.1], 8 * PROBE_STALE, slow_ar_s=2.5)
     assert all(stuck[:PROBE_STALE - 1]) and stuck[PROBE_STALE - 1] == 0
     assert sum(stuck[-2 * PROBE_STALE:]) == 0
+
+
+def test_ar_probes_count_per_batch_make_up_and_forget_with_the_cache():
+    """Each batch make-up counts its own drafting rounds to its next probe; an AR round, or
+    the gate's make-up cache being reset (`forget`), starts the count again."""
+    probes, a, b = ArProbes(), ((0, 1),), ((0, 2),)
+    margin = lambda: False                                   # noqa: E731 (drafting does not win clearly)
+    assert not any(probes.due(a, True, margin) for _ in range(PROBE_EVERY - 1))
+    assert not probes.due(b, True, margin)                   # another make-up: its own count
+    assert probes.due(a, True, margin) and probes.probing    # a's PROBE_EVERY-th drafting round
+    assert probes.take(drafting_rows=0) and not probes.probing
+    for _ in range(PROBE_EVERY - 2):
+        probes.due(b, True, margin)
+    probes.forget()
+    assert not probes.due(b, True, margin)                   # b's count started again
+    assert not probes.due(a, False, margin) and probes.drafted[a] == 0   # an AR round resets a
 
 
 def test_a_slow_spell_of_the_machine_does_not_make_drafting_look_cheap():

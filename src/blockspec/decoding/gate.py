@@ -97,6 +97,10 @@ class ArProbes:
         self.probing = True
         return True
 
+    def forget(self) -> None:
+        """Drop every batch make-up's count (the gate's make-up cache was reset)."""
+        self.drafted.clear()
+
     def take(self, drafting_rows: int) -> bool:
         """Whether the round just finished is the probe decided last (an AR round); clears it."""
         probe, self.probing = self.probing and drafting_rows == 0, False
@@ -254,7 +258,7 @@ class DraftGate:
         if groups is None:
             if len(self._groups) >= 1024:   # an engine's batch make-ups come and go
                 self._groups.clear()
-                self.probes.drafted.clear()
+                self.probes.forget()
             groups = self._groups[bands] = band_groups(bands)
         start = 0
         for band, n in groups:
