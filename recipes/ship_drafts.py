@@ -113,6 +113,11 @@ def stage_row(run: Path) -> str:
             f"{cfg['lr']} | {cfg['seed']} | {log[-1]['loss']} | {evals[-1] if evals else 'n/a'} |")
 
 
+def eval_curve(run: Path) -> str:
+    """`name: step: tau, ...`: the run's held-out greedy tau at each evaluation."""
+    return f"{run.name}: " + ", ".join(f"{r['step']}: {r['eval']['tau']:.3f}" for r in read_log(run) if "eval" in r)
+
+
 def shape_line(name: str, draft_cfg: dict, train_cfg: dict) -> str:
     """The draft's shape in one line, in its own format's terms."""
     if name == "eagle3":
@@ -146,8 +151,7 @@ def recipe_text(name: str, chain: list[Path], dest: Path, n_examples: int, histo
     curves, configs = list(shipped["curves"]), list(shipped["configs"])
     for run in chain:
         cfg = json.loads((run / "train_config.json").read_text())
-        evals = [(r["step"], r["eval"]["tau"]) for r in read_log(run) if "eval" in r]
-        curves.append(f"{run.name}: " + ", ".join(f"{s}: {t:.3f}" for s, t in evals))
+        curves.append(eval_curve(run))
         configs.append(f"{run.name}:\n```json\n{json.dumps(cfg, indent=2)}\n```")
     gpu = any(json.loads((r / "train_config.json").read_text())["device"] != "cpu" for r in chain)
     stage_rows = "\n".join(shipped["rows"] + [stage_row(run) for run in chain])
@@ -213,7 +217,7 @@ def main() -> None:
     ap.add_argument("--history", default="",
                     help="a paragraph on how and where the run was made (machine, what it compares with)")
     ap.add_argument("--summary", type=Path, nargs="+", metavar="RUN",
-                    help="only print the stage table of these runs (and the machine of their env.txt)")
+                    help="only print the stage table and held-out tau curve of these runs (and the machine of their env.txt)")
     args = ap.parse_args()
     if args.summary:
         for parent in sorted({run.parent for run in args.summary}):
@@ -222,6 +226,7 @@ def main() -> None:
                     print(f"{parent / name}: " + " | ".join(line.strip() for line in (parent / name).open()))
         for run in args.summary:
             print(f"\n{run}:\n\n{STAGE_HEADER}\n" + "\n".join(stage_row(r) for r in stages(run)))
+            print("\nHeld-out greedy tau by step:\n\n" + "\n".join(f"- {eval_curve(r)}" for r in stages(run)))
         return
     if not (args.dflash or args.dspark or args.eagle3):
         ap.error("name at least one of --dflash / --dspark / --eagle3")

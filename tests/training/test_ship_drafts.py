@@ -66,3 +66,15 @@ def test_a_shipped_recipe_without_its_records_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="no stage table"):
         ship_drafts.shipped_record(str(shipped))
     assert ship_drafts.shipped_record(None) == {"rows": [], "curves": [], "configs": []}
+
+
+def test_summary_prints_each_stages_table_and_tau_curve(tmp_path, monkeypatch, capsys):
+    """`--summary RUN`: the stage table and the held-out tau at every evaluation, per run (what
+    a record of an unshipped run, or of two runs side by side, reads)."""
+    first = fake_run(tmp_path / "runs" / "eagle3", None, 1e-3, [1.5, 2.1])
+    fake_run(tmp_path / "runs" / "eagle3b", str(first / "draft"), 5e-4, [2.2, 2.4])
+    monkeypatch.setattr("sys.argv", ["ship_drafts.py", "--summary", str(tmp_path / "runs" / "eagle3b")])
+    ship_drafts.main()
+    out = capsys.readouterr().out
+    assert "| eagle3b | cpu |" in out and "Held-out greedy tau by step:" in out
+    assert "- eagle3b: 10: 2.200, 20: 2.400" in out

@@ -32,16 +32,21 @@ def mean(xs):
     return sum(xs) / len(xs)
 
 
-@pytest.mark.parametrize("method, block", [("dflash", 4), ("dspark", 3)])
-def test_loss_decreases_and_draft_saved(setup, method, block):
-    out = setup / f"out-{method}"
+@pytest.mark.parametrize("method, block, distill", [("dflash", 4, False), ("dspark", 3, False), ("dflash", 4, True)])
+def test_loss_decreases_and_draft_saved(setup, method, block, distill):
+    out = setup / f"out-{method}-{distill}"
     cfg = TrainConfig(method=method, target=str(setup / "target"), data=str(setup / "data.jsonl"), out=str(out),
                       block_size=block, num_layers=1, markov_rank=8, num_anchors=8, batch_size=4, max_steps=40,
-                      lr=3e-3, eval_every=40, eval_examples=4, eval_new_tokens=8, threads=1)
+                      lr=3e-3, eval_every=40, eval_examples=4, eval_new_tokens=8, threads=1, distill=distill)
     train(cfg)
     loss, ce = curve(out, "loss"), curve(out, "ce")
     assert mean(loss[-5:]) < 0.8 * mean(loss[:5])   # DSpark's L1 term is bounded by the random target
-    assert mean(ce[-5:]) < 0.6 * mean(ce[:5])
+    if not distill:                                 # distilled: the random target's distribution, not the data's
+        assert mean(ce[-5:]) < 0.6 * mean(ce[:5])
+    if method == "dspark" or distill:               # the L1 to the target's distribution is trained and logged
+        assert mean(curve(out, "l1")[-5:]) < mean(curve(out, "l1")[:5])
+    else:
+        assert "l1" not in json.loads(open(out / "log.jsonl").readline())
     draft = load_draft(out / "draft", target=load_target(setup / "target"))
     assert draft.config.layout == ("zlab" if method == "dflash" else "deepspec")
     raw = json.loads((out / "draft" / "config.json").read_text())
@@ -167,6 +172,14 @@ def test_a_continued_draft_refuses_a_warm_start_too():
     with pytest.raises(BlockspecError, match="drop --init-from-target"):
         TrainConfig(method="dflash", target="t", data="d", init_from="runs/x/draft", init_from_target=True).validate()
     TrainConfig(method="dflash", target="t", data="d", init_from="runs/x/draft").validate()
+
+
+@pytest.mark.parametrize("method", ["dspark", "eagle3"])
+def test_distill_is_for_dflash_drafts(method):
+    """DSpark always learns the target's distribution and EAGLE-3 has its own loss: --distill
+    there would change nothing, so it is refused rather than silently ignored."""
+    with pytest.raises(BlockspecError, match="--distill is for DFlash"):
+        TrainConfig(method=method, target="t", data="d", distill=True, num_layers=1).validate()
 
 
 @pytest.mark.parametrize("method, block", [("dflash", 4), ("dspark", 3)])

@@ -68,13 +68,13 @@ def batch(vocab: int, rows: int = 3, t: int = 24, seed: int = 0):
     return ids, loss_mask
 
 
-def objective_sums(layout, markov, confidence, ce_chunk, grad_checkpoint=False):
+def objective_sums(layout, markov, confidence, ce_chunk, grad_checkpoint=False, distill=False):
     target = make_target(dtype=torch.float64)
     draft = make_draft(target, layout, 4, markov_rank=8 if markov else 0, markov_type=markov or "vanilla",
                        confidence=confidence, layers=2, dtype=torch.float64).train().requires_grad_(True)
     ids, mask = batch(target.config.vocab_size)
-    x = prepare(target, draft, ids, mask, anchor_generators(0, 0, [0, 1, 2]), AnchorSpec(5, 4.0))
-    obj = DraftObjective(draft, target, ce_chunk=ce_chunk, grad_checkpoint=grad_checkpoint)
+    x = prepare(target, draft, ids, mask, anchor_generators(0, 0, [0, 1, 2]), AnchorSpec(5, 4.0, distill))
+    obj = DraftObjective(draft, target, ce_chunk=ce_chunk, grad_checkpoint=grad_checkpoint, distill=distill)
     sums = obj(x)
     sums[0].backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
@@ -117,6 +117,27 @@ def test_sums_equal_the_reference_losses(layout, markov, confidence):
     w = x.weights.sum()
     torch.testing.assert_close(sums[0] / w, ref.total.float(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(sums[1] / w, ref.ce.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_a_distilled_dflash_draft_learns_the_targets_distribution(chunk):
+    """`--distill`: a DFlash draft's sums = DSpark's loss without heads (0.1 CE + 0.9 L1 to
+    the target's distribution at each slot), not the CE on the data's tokens alone."""
+    sums, grads, (target, draft, x) = objective_sums("zlab", None, False, ce_chunk=chunk, distill=True)
+    plain, plain_grads, _ = objective_sums("zlab", None, False, ce_chunk=chunk)
+    cfg = draft.config
+    with torch.no_grad():
+        hidden = draft(x.features, x.packed.block_ids, x.packed.positions, x.packed.mask, target.embed_tokens)
+        b, a = x.packed.anchors.shape
+        h = hidden.view(b, a, cfg.block_size, -1)[:, :, 1:1 + cfg.num_drafts].flatten(0, 1)[x.sel]
+        ref = dspark_loss(target.lm_head(h).float(), x.labels, x.weights,
+                          torch.softmax(target.lm_head(x.target_hidden).float(), -1), None)
+    w = x.weights.sum()
+    torch.testing.assert_close(sums[0] / w, ref.total.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sums[SUMS.index("l1")] / w, ref.l1.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sums[SUMS.index("ce")], plain[SUMS.index("ce")])   # the same blocks and labels
+    assert plain[SUMS.index("l1")] == 0 and sums[SUMS.index("l1")] > 0
+    assert any(not torch.allclose(grads[n], plain_grads[n]) for n in grads)
 
 
 @pytest.mark.parametrize("layout, markov, confidence", [CASES[0], CASES[2]])

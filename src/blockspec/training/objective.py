@@ -2,8 +2,8 @@
 
 `prepare` runs the frozen target (no gradients): the captured layers' features only for
 DFlash (the target stops at its deepest captured layer, no lm_head), plus its final hidden
-states at each trained slot's position for DSpark (projected to probabilities later, chunk
-by chunk). `DraftObjective` is what DistributedDataParallel / FSDP2 wrap: the draft and
+states at each trained slot's position for DSpark and distilled DFlash (projected to
+probabilities later, chunk by chunk). `DraftObjective` is what DistributedDataParallel / FSDP2 wrap: the draft and
 its heads all run inside its forward, and the target is held outside the module tree, so
 neither wrapper replicates, shards or synchronises it.
 """
@@ -34,9 +34,10 @@ class StepInputs:
     context_positions: torch.Tensor | None = None   # [B, T] packed rows: positions within each sequence
 
 
-def uses_target_probs(draft: DraftModel) -> bool:
-    """DSpark's loss (L1 to the target's distribution, confidence BCE) vs DFlash's CE alone."""
-    return draft.markov_head is not None or draft.confidence_head is not None
+def uses_target_probs(draft: DraftModel, distill: bool = False) -> bool:
+    """DSpark's loss (L1 to the target's distribution, confidence BCE) vs DFlash's CE alone;
+    `distill`: a DFlash draft learns the target's distribution too (DSpark's loss, no heads)."""
+    return distill or draft.markov_head is not None or draft.confidence_head is not None
 
 
 def anchor_generators(seed: int, epoch: int, indices: list[int]) -> list[torch.Generator]:
@@ -47,10 +48,12 @@ def anchor_generators(seed: int, epoch: int, indices: list[int]) -> list[torch.G
 
 @dataclass(frozen=True)
 class AnchorSpec:
-    """Anchors sampled per sequence, and the decay of the per-slot loss weights (`slot_weights`)."""
+    """Anchors sampled per sequence, the decay of the per-slot loss weights (`slot_weights`),
+    and whether a DFlash draft's slots learn the target's distribution (`uses_target_probs`)."""
 
     num_anchors: int
     decay: float
+    distill: bool = False
 
 
 @torch.no_grad()
@@ -81,7 +84,7 @@ def prepare(target: TargetModel, draft: DraftModel, ids: torch.Tensor, loss_mask
         weights = weights * 0
     capture = tuple(cfg.target_layer_ids)
     prev = t_hidden = None
-    if uses_target_probs(draft):
+    if uses_target_probs(draft, spec.distill):
         # The target's distribution for token a+k+1 is its output at position a+k.
         out = target(ids, capture=capture, output="hidden", logits_at=(label_pos - 1).flatten(1), **extra)
         assert out.hidden is not None
@@ -109,11 +112,11 @@ class DraftObjective(nn.Module):
     """draft + heads -> [total, ce, l1, bce, accepted, blocks] sums (losses.SUMS) of a batch."""
 
     def __init__(self, draft: DraftModel, target: TargetModel, ce_chunk: int = 0,
-                 grad_checkpoint: bool = False) -> None:
+                 grad_checkpoint: bool = False, distill: bool = False) -> None:
         super().__init__()
         self.draft = draft
         self._frozen = (target,)   # a tuple: not a submodule, so DDP / FSDP leave it alone
-        self.ce_chunk, self.grad_checkpoint = ce_chunk, grad_checkpoint
+        self.ce_chunk, self.grad_checkpoint, self.distill = ce_chunk, grad_checkpoint, distill
 
     def heads(self) -> BlockHeads:
         target, d = self._frozen[0], self.draft
@@ -121,7 +124,7 @@ class DraftObjective(nn.Module):
         def lm_head(h: torch.Tensor) -> torch.Tensor:
             return target.lm_head(h.to(target.dtype)).float()
 
-        if not uses_target_probs(d):
+        if not uses_target_probs(d, self.distill):
             return BlockHeads(lm_head)
         return BlockHeads(lm_head, markov=d.markov_head.teacher_forced if d.markov_head is not None else None,
                           confidence=d.confidence_logit if d.confidence_head is not None else None,

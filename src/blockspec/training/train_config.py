@@ -40,6 +40,7 @@ class TrainConfig:
     init_from_target: bool = False      # warm start: draft layers = the target's last layers (see warm_start)
     mask_token_id: int = -1             # -1 = the tokenizer's mask token, else the first unused embedding row
     loss_decay: float = 0.0             # 0 = the reference value for the block size
+    distill: bool = False               # DFlash: learn the target's distribution too (DSpark's 0.1 CE + 0.9 L1)
     num_anchors: int = 32               # anchors (blocks) sampled per training sequence
     batch_size: int = 4                 # per process and micro-batch
     grad_accum: int = 1                 # micro-batches per optimizer step
@@ -84,6 +85,8 @@ class TrainConfig:
         if self.init_from and self.init_from_target:   # both would start the weights: one would be ignored
             raise BlockspecError("train: --init-from continues a saved draft; drop --init-from-target "
                                  "(or pass --no-init-from-target)")
+        if self.distill and self.method != "dflash":   # DSpark always learns it; EAGLE-3 learns the data's tokens
+            raise BlockspecError(f"train: --distill is for DFlash drafts (a {self.method} draft has its own loss)")
         if self.method == "eagle3":
             if self.num_layers != 1:
                 raise BlockspecError("train: an EAGLE-3 draft has one decoder layer (--num-layers 1)")

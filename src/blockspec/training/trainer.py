@@ -186,7 +186,7 @@ def setup(cfg: TrainConfig) -> Run:
     else:
         mask_id = resolve_mask_token_id(cfg.mask_token_id, tokenizer, target.config.vocab_size)
         draft = build_draft(cfg, target, mask_id, d.device)
-        objective = DraftObjective(draft, target, cfg.ce_chunk, cfg.grad_checkpoint)
+        objective = DraftObjective(draft, target, cfg.ce_chunk, cfg.grad_checkpoint, cfg.distill)
     model = D.wrap(objective, d, cfg.fsdp)
     params = [p for p in objective.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -263,7 +263,7 @@ def train_step(run: Run) -> dict:
         if isinstance(run.draft, Eagle3Draft):
             inputs.append(prepare_eagle3(run.target, run.draft, ids, loss_mask, cfg.ttt_steps, zero, rows))
             continue
-        spec = AnchorSpec(cfg.num_anchors, cfg.decay(run.draft.config.num_drafts))
+        spec = AnchorSpec(cfg.num_anchors, cfg.decay(run.draft.config.num_drafts), cfg.distill)
         inputs.append(prepare(run.target, run.draft, ids, loss_mask, anchor_generators(cfg.seed, epoch, idx or [0]),
                               spec, zero_weight=zero, packed_rows=rows))
     # Normalise by the weight of the whole global batch: the same update on 1 or N processes.
@@ -318,7 +318,7 @@ def _record(run: Run, sums: torch.Tensor, weight: float, grad_norm: float, token
            "tau_est": round(1 + s["accepted"] / max(s["blocks"], 1.0), 3),
            "lr": lr_at(run.step - 1, run.total, run.cfg), "grad_norm": round(grad_norm, 3),
            "tokens_per_s": round(tokens / max(dt, 1e-9), 1), "total": run.total}
-    if isinstance(run.draft, DraftModel) and uses_target_probs(run.draft):
+    if isinstance(run.draft, DraftModel) and uses_target_probs(run.draft, run.cfg.distill):
         rec["l1"] = round(s["l1"] / w, 4)
         if run.draft.confidence_head is not None:
             rec["bce"] = round(s["bce"] / w, 4)
