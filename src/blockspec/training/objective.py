@@ -3,9 +3,9 @@
 `prepare` runs the frozen target (no gradients): the captured layers' features only for
 DFlash (the target stops at its deepest captured layer, no lm_head), plus its final hidden
 states at each trained slot's position for DSpark and distilled DFlash (projected to
-probabilities later, chunk by chunk). `DraftObjective` is what DistributedDataParallel / FSDP2 wrap: the draft and
-its heads all run inside its forward, and the target is held outside the module tree, so
-neither wrapper replicates, shards or synchronises it.
+probabilities later, chunk by chunk). `DraftObjective` is what DistributedDataParallel /
+FSDP2 wrap: the draft and its heads all run inside its forward, and the target is held
+outside the module tree, so neither wrapper replicates, shards or synchronises it.
 """
 
 from __future__ import annotations
