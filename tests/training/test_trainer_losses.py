@@ -81,6 +81,15 @@ def objective_sums(layout, markov, confidence, ce_chunk, grad_checkpoint=False, 
     return sums.detach(), grads, (target, draft, x)
 
 
+def trained_slot_states(target, draft, x):
+    """The draft's final states at the trained blocks' draft slots, [M, g, H], in one plain forward."""
+    cfg = draft.config
+    hidden = draft(x.features, x.packed.block_ids, x.packed.positions, x.packed.mask, target.embed_tokens)
+    b, a = x.packed.anchors.shape
+    h = hidden.view(b, a, cfg.block_size, -1)[:, :, cfg.first_draft_slot:][:, :, :cfg.num_drafts]
+    return h.flatten(0, 1)[x.sel]
+
+
 CASES = [("zlab", None, False), ("deepspec", "vanilla", True), ("deepspec", "rnn", True), ("deepspec", "gated", False)]
 
 
@@ -100,12 +109,8 @@ def test_chunked_projection_equals_one_projection(layout, markov, confidence, ch
 def test_sums_equal_the_reference_losses(layout, markov, confidence):
     """The chunked sums / weight sum = the reference dflash_loss / dspark_loss over full [.., V] tensors."""
     sums, _, (target, draft, x) = objective_sums(layout, markov, confidence, ce_chunk=3)
-    cfg = draft.config
     with torch.no_grad():
-        hidden = draft(x.features, x.packed.block_ids, x.packed.positions, x.packed.mask, target.embed_tokens)
-        b, a = x.packed.anchors.shape
-        h = hidden.view(b, a, cfg.block_size, -1)[:, :, cfg.first_draft_slot:][:, :, :cfg.num_drafts]
-        h = h.flatten(0, 1)[x.sel]
+        h = trained_slot_states(target, draft, x)
         logits = target.lm_head(h).float()
         if markov:
             logits = logits + draft.markov_head.teacher_forced(x.prev, h).float()
@@ -125,12 +130,8 @@ def test_a_distilled_dflash_draft_learns_the_targets_distribution(chunk):
     the target's distribution at each slot), not the CE on the data's tokens alone."""
     sums, grads, (target, draft, x) = objective_sums("zlab", None, False, ce_chunk=chunk, distill=True)
     plain, plain_grads, _ = objective_sums("zlab", None, False, ce_chunk=chunk)
-    cfg = draft.config
     with torch.no_grad():
-        hidden = draft(x.features, x.packed.block_ids, x.packed.positions, x.packed.mask, target.embed_tokens)
-        b, a = x.packed.anchors.shape
-        h = hidden.view(b, a, cfg.block_size, -1)[:, :, 1:1 + cfg.num_drafts].flatten(0, 1)[x.sel]
-        ref = dspark_loss(target.lm_head(h).float(), x.labels, x.weights,
+        ref = dspark_loss(target.lm_head(trained_slot_states(target, draft, x)).float(), x.labels, x.weights,
                           torch.softmax(target.lm_head(x.target_hidden).float(), -1), None)
     w = x.weights.sum()
     torch.testing.assert_close(sums[0] / w, ref.total.float(), rtol=1e-5, atol=1e-6)
