@@ -60,15 +60,35 @@ python recipes/ship_drafts.py --eagle3 RUNS/eagle3c --data RUNS/regen/train.json
 GPU_COMMANDS["dspark"] = GPU_COMMANDS["dflash"]
 
 
+def earlier_stage(run: Path) -> Path | None:
+    """The stage the run continued: its `init_from` itself where that is a kept stage (a committed
+    campaign draft with its log and config), else the run directory beside it that saved that draft
+    (`runs/x/draft` -> `runs/x`, also when the runs came from another machine)."""
+    init = json.loads((run / "train_config.json").read_text()).get("init_from")
+    if not init:
+        return None
+    for candidate in (Path(init), run.parent / Path(init).parent.name):
+        if (candidate / "train_config.json").is_file() and (candidate / "log.jsonl").is_file():
+            return candidate
+    return None
+
+
 def stages(run: Path) -> list[Path]:
     """The run and the earlier runs it continued from, oldest first."""
     chain = [run]
-    while True:
-        init = json.loads((chain[0] / "train_config.json").read_text()).get("init_from")
-        earlier = run.parent / Path(init).parent.name if init else None
-        if earlier is None or earlier in chain or not (earlier / "train_config.json").is_file():
-            return chain
+    while (earlier := earlier_stage(chain[0])) is not None and earlier not in chain:
         chain.insert(0, earlier)
+    return chain
+
+
+def campaign_of(chain: list[Path]) -> Path | None:
+    """The campaign directory (`recipes/campaign/PAIR`) of the chain's latest committed stage, if any."""
+    return next((run.parent for run in reversed(chain) if run.parent.parent.name == "campaign"), None)
+
+
+def label(run: Path) -> str:
+    """A stage's name in the records: committed campaign stages keep their pair's name."""
+    return f"{run.parent.name}/{run.name}" if run.parent.parent.name == "campaign" else run.name
 
 
 def shipped_record(init_from: str | None) -> dict[str, list[str]]:
@@ -109,13 +129,13 @@ def stage_row(run: Path) -> str:
     evals = [r["eval"]["tau"] for r in log if "eval" in r]
     start = ("warm start from the target's last layers" if cfg.get("init_from_target") and not cfg.get("init_from")
              else f"`{cfg['init_from']}`" if cfg.get("init_from") else "random init")
-    return (f"| {run.name} | {cfg['device']} | {start} | {log[-1]['step']} | {log[-1]['time_s']} | "
+    return (f"| {label(run)} | {cfg['device']} | {start} | {log[-1]['step']} | {log[-1]['time_s']} | "
             f"{cfg['lr']} | {cfg['seed']} | {log[-1]['loss']} | {evals[-1] if evals else 'n/a'} |")
 
 
 def eval_curve(run: Path) -> str:
     """`name: step: tau, ...`: the run's held-out greedy tau at each evaluation."""
-    return f"{run.name}: " + ", ".join(f"{r['step']}: {r['eval']['tau']:.3f}" for r in read_log(run) if "eval" in r)
+    return f"{label(run)}: " + ", ".join(f"{r['step']}: {r['eval']['tau']:.3f}" for r in read_log(run) if "eval" in r)
 
 
 def shape_line(name: str, draft_cfg: dict, train_cfg: dict) -> str:
@@ -139,12 +159,27 @@ def init_note(name: str, train_cfg: dict) -> str:
             "L-n+i (the last n layers), `fc` passes the deepest captured feature through.")
 
 
+def commands_text(name: str, chain: list[Path], gpu: bool, held_out: int) -> str:
+    """The Commands section: a campaign's stages point to its README (their exact lines, the data's
+    regeneration and the target's), other drafts to the recipe scripts that made them."""
+    campaign = campaign_of(chain)
+    if campaign is not None:
+        return (f"Every stage's command, the regeneration of the data and the target's own recipe are in\n"
+                f"`{campaign}/README.md`, next to the committed stages this draft continued. The first\n"
+                f"{held_out} examples of the data are held out for the tau above.")
+    return f"""{(GPU_COMMANDS if gpu else CPU_COMMANDS)[name]}
+
+Data: `blockspec regenerate --prompts runs/corpus --seed 0 --max-new-tokens 160 ...`: random
+code prefixes from the corpus' training split, continued greedily by the target; the
+first {held_out} examples are held out for the tau above."""
+
+
 def recipe_text(name: str, chain: list[Path], dest: Path, n_examples: int, history: str = "") -> str:
     draft_cfg = json.loads((dest / "config.json").read_text())
     size_mb = sum(f.stat().st_size for f in dest.glob("*.safetensors")) / 1e6
     first = json.loads((chain[0] / "train_config.json").read_text())
     shipped = shipped_record(first.get("init_from"))
-    again = [run.name for run in chain if any(row.startswith(f"| {run.name} |") for row in shipped["rows"])]
+    again = [label(run) for run in chain if any(row.startswith(f"| {label(run)} |") for row in shipped["rows"])]
     if again:
         raise SystemExit(f"error: {first['init_from']}/RECIPE.md already records {', '.join(again)}: restore the "
                          "RECIPE.md of the draft that run continued (git checkout) before shipping it again")
@@ -152,7 +187,7 @@ def recipe_text(name: str, chain: list[Path], dest: Path, n_examples: int, histo
     for run in chain:
         cfg = json.loads((run / "train_config.json").read_text())
         curves.append(eval_curve(run))
-        configs.append(f"{run.name}:\n```json\n{json.dumps(cfg, indent=2)}\n```")
+        configs.append(f"{label(run)}:\n```json\n{json.dumps(cfg, indent=2)}\n```")
     gpu = any(json.loads((r / "train_config.json").read_text())["device"] != "cpu" for r in chain)
     stage_rows = "\n".join(shipped["rows"] + [stage_row(run) for run in chain])
     curve_lines = "\n".join(f"- {c}" for c in curves)
@@ -177,11 +212,8 @@ token), step: tau per stage:
 
 ## Commands
 
-{(GPU_COMMANDS if gpu else CPU_COMMANDS)[name]}
+{commands_text(name, chain, gpu, first['eval_examples'])}
 
-Data: `blockspec regenerate --prompts runs/corpus --seed 0 --max-new-tokens 160 ...`: random
-code prefixes from the corpus' training split, continued greedily by the target; the
-first {first['eval_examples']} examples are held out for the tau above.
 {init_note(name, first)}
 {f"{chr(10)}History: {history}{chr(10)}" if history else ""}
 ## Exact training configs

@@ -117,8 +117,9 @@ def test_embedded_eagle3_draft_round_trips_identically(tmp_path):
     assert Eagle3Config.load(tmp_path / "again") == Eagle3Config.load(shipped)
     raw = json.loads((shipped / "config.json").read_text())
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["torch_dtype"] == "bfloat16"
-    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
-    assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]   # vLLM's spelling: the captured layers' inputs
+    aux = raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]   # SGLang's spelling: the layers' outputs
+    assert aux == sorted(aux) and 0 <= aux[0] and aux[-1] < target.config.num_hidden_layers
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in aux]   # vLLM's: the same layers' inputs
     with safe_open(shipped / "model.safetensors", "pt") as a, \
             safe_open(tmp_path / "again" / "model.safetensors", "pt") as b:
         assert set(a.keys()) == set(b.keys()) and {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= set(a.keys())

@@ -78,3 +78,22 @@ def test_summary_prints_each_stages_table_and_tau_curve(tmp_path, monkeypatch, c
     out = capsys.readouterr().out
     assert "| eagle3b | cpu |" in out and "Held-out greedy tau by step:" in out
     assert "- eagle3b: 10: 2.200, 20: 2.400" in out
+
+
+def test_a_run_continuing_committed_campaign_stages_records_every_stage(tmp_path):
+    """A run started from a committed campaign draft (`recipes/campaign/PAIR/NAME`, weights, log and
+    config) traces back through those stages, names them by pair, and points to the campaign's README."""
+    campaign = tmp_path / "recipes" / "campaign" / "pair9"
+    first = fake_run(campaign / "eagle3", None, 1e-3, [1.5, 2.1])
+    second = fake_run(campaign / "eagle3_b", str(first), 5e-4, [2.2, 2.4])
+    last = fake_run(tmp_path / "runs" / "pair9" / "eagle3c", str(second), 3e-4, [2.5, 2.6])
+    assert ship_drafts.stages(last) == [first, second, last]
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n" * 5)
+    ship_drafts.ship(last, "eagle3", data, assets=tmp_path / "assets")
+    text = (tmp_path / "assets" / "eagle3" / "RECIPE.md").read_text()
+    assert "Trained in 3 stage(s)" in text
+    table = text.split(ship_drafts.STAGE_HEADER, 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [row.split(" | ")[0] for row in table[1:]] == ["| pair9/eagle3", "| pair9/eagle3_b", "| eagle3c"]
+    assert "- pair9/eagle3: 10: 1.500, 20: 2.100\n- pair9/eagle3_b: 10: 2.200, 20: 2.400\n- eagle3c:" in text
+    assert f"`{campaign}/README.md`" in text and "recipes/train_drafts.sh" not in text
