@@ -1,6 +1,6 @@
 """Drafter training throughput on CPU: tokens/s and peak resident memory of `blockspec train`
-with the embedded target (src/blockspec/assets/target) and drafts of the shipped shapes
-(4 layers, features of target layers 1,3,5; DFlash block 16, DSpark gamma 15 with Markov rank
+with the embedded target (src/blockspec/assets/target) and drafts of the first embedded pair's
+shapes (4 layers, features of target layers 1,3,5; DFlash block 16, DSpark gamma 15 with Markov rank
 64 and the confidence head), on synthetic sequences of `--max-len` tokens.
 
 Each case runs in its own process (peak RSS is per process). With `--before SRC` the same

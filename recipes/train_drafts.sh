@@ -1,50 +1,49 @@
 #!/usr/bin/env bash
-# Reproduces the CPU-trained drafts of the embedded target on target-regenerated data:
-#   dflash  DFlash (z-lab, block 16), 2 layers   -> runs/dflash3  (shipped at c0689ef)
-#   dspark  DSpark (DeepSpec, gamma 15: the same 16-token verify window), 2 layers -> runs/dspark3
-#           (both warm-started from the target's last two layers (--init-from-target; the
-#           deepest captured feature, layer 5, is what the copied layer 6 reads in the target))
+# CPU drafts for a target on its own regenerations (by default the embedded target, on its
+# corpus' prefixes at temperatures 0, 0.7 and 1.0, as the shipped drafts' first stage was made):
+#   dflash  DFlash (z-lab, block 16), 2 layers   -> $RUNS/dflash3
+#   dspark  DSpark (DeepSpec, gamma 15: the same 16-token verify window), 2 layers -> $RUNS/dspark3
+#           (both warm-started from the target's last two layers (--init-from-target), or
+#           continuing DFLASH_INIT / DSPARK_INIT)
 #   eagle3  EAGLE-3, 1 layer, 7-step training-time test, draft vocabulary 2048 (as
-#           recipes/train_eagle3_gpu.sh), random init, EAGLE3_S seconds -> runs/eagle3
-#   eagle3b its second stage: EAGLE3B_S more seconds from EAGLE3_INIT (default runs/eagle3/draft;
-#           the shipped draft continued src/blockspec/assets/eagle3, the shipped copy of it), lr 5e-4,
-#           seed 1 -> runs/eagle3b (shipped; EAGLE3B_S = the DFlash draft's 5652 s less stage 1's 1944 s)
+#           recipes/train_eagle3_gpu.sh), random init, EAGLE3_S seconds -> $RUNS/eagle3
+#   eagle3b its second stage: EAGLE3B_S more seconds from EAGLE3_INIT (default $RUNS/eagle3/draft),
+#           lr 5e-4, seed 1 -> $RUNS/eagle3b
 # Usage: bash recipes/train_drafts.sh [dflash] [dspark] [eagle3] [eagle3b]   (default: dflash dspark)
 # The named drafts train side by side with one thread each, on the same data and
-# evaluation. Resumable: rerun after an interruption.
-# Another target (issue 35's campaign, e.g. a decay branch's runs/decay/best): TARGET=DIR, its
-# captured layers IDS (three, evenly spaced from 1 to L-3 for L layers: 1,5,9 for 12), TEMPS
-# (regeneration temperatures, each with its own seed, interleaved into DATA; issue 35 asks
-# for "0 0.7 1.0"), RUNS (where the drafts and data go) and the step / second budgets:
-#   TARGET=runs/decay/best IDS=1,5,9 TEMPS="0 0.7 1.0" RUNS=runs/pair35 bash recipes/train_drafts.sh dflash dspark
+# evaluation. Resumable: rerun after an interruption. The shipped drafts' later stages (each
+# continuing the last, with the exact flags) are in recipes/campaign/pair36/README.md.
+# Another target: TARGET=DIR, its captured layers IDS (three, evenly spaced from 1 to L-3 for
+# L layers: 1,5,9 for 12), TEMPS (regeneration temperatures, each with its own seed,
+# interleaved into DATA; "0" alone: greedy data, one file), CORPUS (the prefixes' source),
+# RUNS (where the drafts and data go) and the step / second budgets, e.g.
+#   TARGET=runs/decay/best RUNS=runs/pair37 bash recipes/train_drafts.sh dflash dspark
 # DFLASH_INIT / DSPARK_INIT: continue that saved draft (e.g. the last candidate's, for a target
 # continued from the one it was trained for) instead of the warm start from the target's layers.
 # TRAIN_FLAGS go to every run, e.g. "--bf16 --time-budget-s 3600" (bf16 autocast where the CPU
 # has bf16 matrix instructions; the step counts fitted to an hour after timing the first steps).
-# runs/corpus is the stdlib corpus the target was pretrained on (sha256 08fdebec..., in
-# ../src/blockspec/assets/target/RECIPE.md): `blockspec corpus` as of that commit (tests
-# included; today's `blockspec corpus --no-packages` also drops tests and duplicates, so its
-# prefixes differ). Rebuilt from that commit's code (same sha256 under CPython 3.11.7):
-#   git worktree add /tmp/c083a4b c083a4b && PYTHONPATH=/tmp/c083a4b/src python -c \
-#     'from pathlib import Path; from blockspec.training.corpus import build_corpus; print(build_corpus(Path("runs/corpus"))["sha256"])'
+# runs/corpus2 is the embedded target's pretraining corpus (`blockspec corpus --out runs/corpus2
+# --tokenizer-out ""`, sha256 in ../src/blockspec/assets/target/RECIPE.md). The first embedded
+# pair's drafts (greedy data from the stdlib corpus, captured layers 1,3,5) are this script's
+# defaults at c0689ef.
 set -euo pipefail
 TARGET=${TARGET:-src/blockspec/assets/target}
-IDS=${IDS:-1,3,5}
-TEMPS=${TEMPS:-0}
+IDS=${IDS:-1,5,9}
+TEMPS=${TEMPS:-"0 0.7 1.0"}
 RUNS=${RUNS:-runs}
-CORPUS=${CORPUS:-runs/corpus}
+CORPUS=${CORPUS:-runs/corpus2}
 DFLASH_STEPS=${DFLASH_STEPS:-1900}
 DSPARK_STEPS=${DSPARK_STEPS:-1500}
 EAGLE3_S=${EAGLE3_S:-2640}
 EAGLE3B_S=${EAGLE3B_S:-3700}
 EAGLE3_INIT=${EAGLE3_INIT:-$RUNS/eagle3/draft}
-PROMPTS=${PROMPTS:-4000}
+PROMPTS=${PROMPTS:-3000}
 DATA=${DATA:-$RUNS/regen2/train.jsonl}
 for method in ${*:-dflash dspark}; do   # before the (long) regeneration, not after it
   case $method in dflash|dspark|eagle3|eagle3b) ;; *) echo "error: unknown draft $method (dflash, dspark, eagle3, eagle3b)" >&2; exit 2 ;; esac
 done
 mkdir -p "$(dirname "$DATA")"
-if [ "$TEMPS" = 0 ]; then   # greedy regenerations only: the shipped drafts' data
+if [ "$TEMPS" = 0 ]; then   # greedy regenerations only
   [ -f "$DATA" ] && [ "$(wc -l < "$DATA")" -ge "$PROMPTS" ] || \
   blockspec regenerate --prompts "$CORPUS" --target "$TARGET" --out "$DATA" \
     --num-prompts "$PROMPTS" --max-new-tokens 160 --batch-size 32 --seed 0

@@ -40,7 +40,7 @@ from blockspec.models.target import TargetModel
 
 # Default chunk, in prompt tokens per engine step. CUDA: vLLM's and SGLang's default chunk
 # (2048), where a chunk's GEMMs already run at full throughput. CPU: 512 keeps a step's
-# prefill to ~0.2 s on the shipped 256 x 8 target, and a 2048-token prompt in chunks of
+# prefill to ~0.2 s on the first embedded (256 x 8) target, and a 2048-token prompt in chunks of
 # 512 costs 6% more than in one forward (docs/results.md, benchmarks/attention_kernels.py).
 DEFAULT_CHUNK = {"cuda": 2048, "cpu": 512}
 

@@ -16,7 +16,7 @@ L[r]; what a query may see is a per-row key-length limit (docs/design.md section
   SDPA with a boolean mask, which for W = 1 and the draft block is only a
   key-length mask [R, 1, 1, K]. On the CPU, SDPA with the mask is the fused
   kernel already: eager flex_attention materialises every score (2.5-4.4x slower
-  per cached forward of the shipped target), and compiled flex saves 10-20% of
+  per cached forward of the first embedded target), and compiled flex saves 10-20% of
   the op (0.42 vs 0.53 ms at W = 1, 3.4 vs 3.8 ms at W = 16, 8 rows x 1088 keys),
   a few % of the forward, after 6-10 s of compiling per shape (docs/results.md,
   benchmarks/attention_kernels.py).
