@@ -159,7 +159,7 @@ def init_note(name: str, train_cfg: dict) -> str:
             "L-n+i (the last n layers), `fc` passes the deepest captured feature through.")
 
 
-def commands_text(name: str, chain: list[Path], gpu: bool, held_out: int) -> str:
+def commands_text(name: str, chain: list[Path], held_out: int) -> str:
     """The Commands section: a campaign's stages point to its README (their exact lines, the data's
     regeneration and the target's), other drafts to the recipe scripts that made them."""
     campaign = campaign_of(chain)
@@ -167,6 +167,7 @@ def commands_text(name: str, chain: list[Path], gpu: bool, held_out: int) -> str
         return (f"Every stage's command, the regeneration of the data and the target's own recipe are in\n"
                 f"`{campaign}/README.md`, next to the committed stages this draft continued. The first\n"
                 f"{held_out} examples of the data are held out for the tau above.")
+    gpu = any(json.loads((r / "train_config.json").read_text())["device"] != "cpu" for r in chain)
     return f"""{(GPU_COMMANDS if gpu else CPU_COMMANDS)[name]}
 
 Data: `blockspec regenerate --prompts runs/corpus --seed 0 --max-new-tokens 160 ...`: random
@@ -188,7 +189,6 @@ def recipe_text(name: str, chain: list[Path], dest: Path, n_examples: int, histo
         cfg = json.loads((run / "train_config.json").read_text())
         curves.append(eval_curve(run))
         configs.append(f"{label(run)}:\n```json\n{json.dumps(cfg, indent=2)}\n```")
-    gpu = any(json.loads((r / "train_config.json").read_text())["device"] != "cpu" for r in chain)
     stage_rows = "\n".join(shipped["rows"] + [stage_row(run) for run in chain])
     curve_lines = "\n".join(f"- {c}" for c in curves)
     config_text = "\n\n".join(configs)
@@ -212,7 +212,7 @@ token), step: tau per stage:
 
 ## Commands
 
-{commands_text(name, chain, gpu, first['eval_examples'])}
+{commands_text(name, chain, first['eval_examples'])}
 
 {init_note(name, first)}
 {f"{chr(10)}History: {history}{chr(10)}" if history else ""}

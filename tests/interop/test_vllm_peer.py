@@ -110,15 +110,15 @@ def window_acceptance(root: Path, window: int, prompts: list[list[int]]) -> tupl
     return tuple(blockspec_run(save_windowed_copy(ASSETS / "dflash", window, root / f"w{window}"), prompts)[1:])
 
 
-def pinning_window(root: Path, prompts: list[list[int]]) -> int:
-    """The first of WINDOWS whose acceptance in blockspec differs from a window one position
-    narrower, one wider and none: an equal acceptance in vLLM then pins its window to the same
-    positions (which window does so depends on the shipped draft)."""
+def pinning_window(root: Path, prompts: list[list[int]]) -> Path:
+    """The shipped draft saved with the first of WINDOWS whose acceptance in blockspec differs
+    from a window one position narrower, one wider and none: an equal acceptance in vLLM then
+    pins its window to the same positions (which window does so depends on the shipped draft)."""
     unwindowed = tuple(blockspec_run(ASSETS / "dflash", prompts)[1:])
     for window in WINDOWS:
         around = [window_acceptance(root, w, prompts) for w in (window - 1, window, window + 1)]
         if around[1] not in (around[0], around[2], unwindowed):
-            return window
+            return root / f"w{window}"
     pytest.fail(f"no window of {WINDOWS} changes the shipped draft's acceptance against its neighbours")
 
 
@@ -133,7 +133,7 @@ def test_vllm_runs_our_windowed_draft_as_blockspec_does(tmp_path, prompts, which
     assert min(len(p) for p in prompts) > max(WINDOWS)
     ar, _, _ = blockspec_run(None, prompts)
     if which.startswith("shipped"):
-        draft, patch = save_windowed_copy(ASSETS / "dflash", pinning_window(tmp_path, prompts), tmp_path / "draft"), True
+        draft, patch = pinning_window(tmp_path, prompts), True
     else:
         draft, patch = train_draft(tmp_path, prompts, "--num-layers", "1", "--draft-sliding-window", "16"), False
         assert json.loads((draft / "config.json").read_text())["layer_types"] == ["sliding_attention"]
